@@ -1,0 +1,337 @@
+"""Every check of a rope_pool_fused call, for every framework.
+
+``check`` runs before any backend touches memory and returns a ``Call``: the
+geometry the backends need. Messages start with the seed's words where the
+seed has a message for the same condition, then say what was given and the
+fix. docs/errors.md lists each one; tests/test_errors.py keeps the two in step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .errors import RopePoolError
+from .spec import RopeSpec
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+INDEX_DTYPES = ("int32", "int64")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+KV_LAYOUTS = ("NHD", "HND")
+_ARRAYS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool")
+_FRAMEWORK_TYPES = {"torch": "torch.Tensor", "mlx": "mx.array", "numpy": "numpy.ndarray"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """A checked call: what every backend needs besides the arrays."""
+
+    framework: str
+    num_tokens: int
+    head_dim: int
+    num_qo_heads: int
+    num_kv_heads: int
+    spec: RopeSpec
+    layer: int | None
+    kv_layout: str | None  # None: the seed's flat [pool_size, heads, dim]
+    page_size: int  # 1 for a flat pool
+    pool_size: int  # slots: num_pages * page_size
+    k_scale: object  # None, a float, or a one-element tensor (fp8 pools)
+    v_scale: object
+
+
+def framework_of(x) -> str | None:
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        import torch
+
+        return "torch" if isinstance(x, torch.Tensor) else None
+    if mod.startswith("mlx"):
+        return "mlx"
+    if mod == "numpy" and hasattr(x, "dtype") and hasattr(x, "shape"):
+        return "numpy"
+    return None
+
+
+def dtype_name(x) -> str:
+    return str(x.dtype).rsplit(".", 1)[-1]
+
+
+def _shape(x) -> list:
+    return list(x.shape)
+
+
+@lru_cache(maxsize=64)
+def default_spec(head_dim: int, rope_base: float) -> RopeSpec:
+    return RopeSpec(head_dim=head_dim, base=rope_base)
+
+
+def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
+          num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout,
+          q_out=None, k_out=None, frameworks=("torch", "mlx")) -> Call:
+    arrays = (q, k, v, positions, slots, k_pool, v_pool)
+    fw = _check_types(arrays, frameworks)
+    if fw == "torch":
+        _check_devices(arrays + (q_out, k_out))
+    _check_ints(head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
+    if head_dim % 2:
+        raise RopePoolError(f"head_dim must be even (RoPE rotates pairs); got {head_dim}. "
+                            "Fix: pass the model's head_dim.")
+    if num_qo_heads % num_kv_heads:
+        raise RopePoolError(
+            f"num_qo_heads must be divisible by num_kv_heads; got {num_qo_heads} and {num_kv_heads}. "
+            "Fix: pass the per-rank head counts of the model (GQA needs whole groups).")
+
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise RopePoolError(
+            f"rope_pool_fused expects q/k/v to be 3-D; got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}. "
+            "Fix: reshape to [num_tokens, num_heads, head_dim], e.g. q.view(num_tokens, num_qo_heads, head_dim).")
+    if positions.ndim != 1 or slots.ndim != 1:
+        raise RopePoolError(
+            f"rope_pool_fused expects positions/slots to be 1-D; got positions {_shape(positions)}, "
+            f"slots {_shape(slots)}. Fix: flatten them to [num_tokens].")
+    T = q.shape[0]
+    if tuple(q.shape) != (T, num_qo_heads, head_dim):
+        raise RopePoolError(
+            f"q shape must be [num_tokens, num_qo_heads, head_dim] = [{T}, {num_qo_heads}, {head_dim}], "
+            f"got {_shape(q)}. Fix: check num_qo_heads and head_dim (per tensor-parallel rank).")
+    if tuple(k.shape) != (T, num_kv_heads, head_dim):
+        raise RopePoolError(
+            f"k shape must be [num_tokens, num_kv_heads, head_dim] = [{T}, {num_kv_heads}, {head_dim}], "
+            f"got {_shape(k)}. Fix: check num_kv_heads and that k has as many tokens as q.")
+    if tuple(v.shape) != tuple(k.shape):
+        raise RopePoolError(f"v shape must match k shape, got {_shape(v)} vs {_shape(k)}. "
+                            "Fix: pass the values of the same tokens and heads as k.")
+    if tuple(positions.shape) != (T,) or tuple(slots.shape) != (T,):
+        raise RopePoolError(
+            f"positions/slots must have one entry per token ({T}); got positions {_shape(positions)}, "
+            f"slots {_shape(slots)}. Fix: one position and one slot per row of q.")
+
+    dt = dtype_name(q)
+    floats = FLOAT_DTYPES + (("float64",) if fw == "numpy" else ())
+    if dt not in floats:
+        raise RopePoolError(f"q dtype must be one of {floats}; got {dt}. Fix: cast q, k and v, e.g. q.to(torch.bfloat16).")
+    if dtype_name(k) != dt or dtype_name(v) != dt:
+        raise RopePoolError(f"q/k/v dtypes must match; got q {dt}, k {dtype_name(k)}, v {dtype_name(v)}. "
+                            "Fix: cast k and v to q's dtype.")
+    for name, x in (("positions", positions), ("slots", slots)):
+        if dtype_name(x) not in INDEX_DTYPES:
+            raise RopePoolError(f"{name} dtype must be int32 or int64; got {dtype_name(x)}. "
+                                f"Fix: {name}.to(torch.int32) (or .astype(mx.int32)).")
+
+    layer, page_size, num_pages = _check_pools(k_pool, v_pool, layer, kv_layout, num_kv_heads, head_dim)
+    _check_scales(dt, k_pool, k_scale, v_scale)
+    spec = _resolve_spec(rope, rope_base, head_dim)
+
+    if fw == "torch":
+        _check_strides(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool)
+        if k_pool.data_ptr() == v_pool.data_ptr() and k_pool.numel():
+            raise RopePoolError("k_pool and v_pool are the same memory. Fix: pass two pools "
+                                "(for a combined [2, ...] tensor pass kv[0] and kv[1]).")
+        _check_out("q_out", q_out, q)
+        _check_out("k_out", k_out, k)
+    elif q_out is not None or k_out is not None:
+        raise TypeError(f"q_out/k_out are for torch tensors; got them with {_FRAMEWORK_TYPES[fw]} inputs. "
+                        "Fix: drop q_out/k_out (MLX and NumPy calls are functional).")
+
+    call = Call(fw, T, head_dim, num_qo_heads, num_kv_heads, spec, layer, kv_layout,
+                page_size, num_pages * page_size, k_scale, v_scale)
+    if fw != "torch" or positions.device.type == "cpu":
+        check_values(positions, slots, call.pool_size)
+    return call
+
+
+def _check_types(arrays, frameworks) -> str:
+    found = None
+    for name, x in zip(_ARRAYS, arrays):
+        fw = framework_of(x)
+        if fw not in frameworks:
+            allowed = " or ".join(_FRAMEWORK_TYPES[f] for f in frameworks)
+            given = type(x).__module__ + "." + type(x).__name__ if fw is None else _FRAMEWORK_TYPES[fw]
+            hint = {"torch": "torch.as_tensor(x)", "mlx": "mx.array(x)", "numpy": "np.asarray(x)"}[frameworks[0]]
+            raise TypeError(f"rope_pool_fused expects {name} to be a {allowed}; got {given}. Fix: convert it, e.g. {hint}.")
+        if found is None:
+            found = (name, fw)
+        elif fw != found[1]:
+            raise TypeError(f"rope_pool_fused expects every array from one framework; got {found[0]} as "
+                            f"{_FRAMEWORK_TYPES[found[1]]} and {name} as {_FRAMEWORK_TYPES[fw]}. "
+                            "Fix: convert all arrays to the same framework.")
+    return found[1]
+
+
+def _check_devices(tensors):
+    names = _ARRAYS + ("q_out", "k_out")
+    dev = tensors[0].device
+    for name, x in zip(names, tensors):
+        if x is None:
+            continue
+        if framework_of(x) != "torch":
+            raise TypeError(f"rope_pool_fused expects {name} to be a torch.Tensor like q; got {type(x).__name__}. "
+                            "Fix: pass a tensor or leave it None.")
+        if x.device != dev:
+            raise TypeError(f"rope_pool_fused expects every tensor on one device; got q on {dev} and {name} on "
+                            f"{x.device}. Fix: move {name} with .to({str(dev)!r}).")
+
+
+def _check_ints(**values):
+    for name, val in values.items():
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise TypeError(f"{name} must be an int; got {type(val).__name__} {val!r}. Fix: pass an int.")
+        if val <= 0:
+            raise RopePoolError(f"{name} must be positive; got {val}. Fix: pass the model's value.")
+
+
+def _pool_fix(pool, num_kv_heads, head_dim) -> str:
+    shape = tuple(pool.shape)
+    if pool.ndim == 4 and shape[0] == 1 and shape[2:] == (num_kv_heads, head_dim):
+        return "squeeze the extra leading dim of size 1 (k_pool[0], or .squeeze(0)), or pass layer=0"
+    if pool.ndim == 4:
+        return ("pass layer=<index> or index the layer dimension first (k_pool[layer]) for a layer-stacked "
+                "[num_layers, pool_size, num_kv_heads, head_dim] pool, or kv_layout='NHD'/'HND' for a paged pool")
+    if pool.ndim == 2 and shape[1] == num_kv_heads * head_dim:
+        return (f"reshape to [pool_size, num_kv_heads, head_dim]: "
+                f"k_pool.view(-1, {num_kv_heads}, {head_dim})")
+    if pool.ndim == 5:
+        return "pass layer=<index> and kv_layout='NHD' or 'HND' for a layer-stacked paged pool"
+    return "pass a [pool_size, num_kv_heads, head_dim] pool"
+
+
+def _check_pools(k_pool, v_pool, layer, kv_layout, num_kv_heads, head_dim):
+    if kv_layout is not None and kv_layout not in KV_LAYOUTS:
+        raise RopePoolError(f"kv_layout must be None, 'NHD' or 'HND'; got {kv_layout!r}. "
+                            "Fix: None for [pool_size, heads, dim], 'NHD' for [pages, page_size, heads, dim], "
+                            "'HND' for [pages, heads, page_size, dim].")
+    want = (3 if kv_layout is None else 4) + (layer is not None)
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.ndim != want:
+            if kv_layout is None and layer is None:
+                raise RopePoolError(
+                    f"rope_pool_fused expects pool tensors to be 3-D; got {name} of shape {_shape(pool)} "
+                    f"({pool.ndim}-D). Fix: {_pool_fix(pool, num_kv_heads, head_dim)}.")
+            lay = "" if kv_layout is None else f" with kv_layout={kv_layout!r}"
+            lyr = "" if layer is None else " with layer= (a leading layer dim)"
+            raise RopePoolError(
+                f"rope_pool_fused expects pool tensors to be {want}-D{lay}{lyr}; got {name} of shape "
+                f"{_shape(pool)}. Fix: " + ("drop layer= for a single-layer pool" if pool.ndim == want - 1
+                                            else "pass the pool in the layout named") + ".")
+    if tuple(v_pool.shape) != tuple(k_pool.shape):
+        raise RopePoolError(f"v_pool shape must match k_pool shape, got {_shape(v_pool)} vs {_shape(k_pool)}. "
+                            "Fix: pass K and V pools of one cache.")
+    if dtype_name(v_pool) != dtype_name(k_pool):
+        raise RopePoolError(f"pool dtypes must match each other; got k_pool {dtype_name(k_pool)}, "
+                            f"v_pool {dtype_name(v_pool)}. Fix: allocate both pools with one dtype.")
+    shape = tuple(k_pool.shape)
+    if layer is not None:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int; got {type(layer).__name__}. Fix: pass the layer index.")
+        if not 0 <= layer < shape[0]:
+            raise RopePoolError(f"layer must be in [0, {shape[0]}) for a pool of {shape[0]} layers; got {layer}. "
+                                "Fix: pass a layer index of this pool.")
+        shape = shape[1:]
+    if kv_layout is None:
+        num_pages, page_size, heads, dim = shape[0], 1, shape[1], shape[2]
+        expect = "[pool_size, num_kv_heads, head_dim]"
+    elif kv_layout == "NHD":
+        num_pages, page_size, heads, dim = shape
+        expect = "[num_pages, page_size, num_kv_heads, head_dim]"
+    else:
+        num_pages, heads, page_size, dim = shape
+        expect = "[num_pages, num_kv_heads, page_size, head_dim]"
+    if (heads, dim) != (num_kv_heads, head_dim):
+        raise RopePoolError(
+            f"k_pool has incompatible shape {_shape(k_pool)}: expected {expect} with num_kv_heads={num_kv_heads}, "
+            f"head_dim={head_dim}. Fix: pass the pool of this layer's KV heads (or the matching kv_layout).")
+    return layer, page_size, num_pages
+
+
+def _check_scales(dt, k_pool, k_scale, v_scale):
+    pdt = dtype_name(k_pool)
+    if pdt in FP8_DTYPES:
+        if k_scale is None or v_scale is None:
+            raise RopePoolError(f"an {pdt} pool needs k_scale= and v_scale= (stored value = value / scale); "
+                                "got none. Fix: pass the cache's scales (1.0 if it has none).")
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if isinstance(s, (int, float)) and not isinstance(s, bool):
+                if not (0 < float(s) < float("inf")):
+                    raise RopePoolError(f"{name} must be a finite float > 0; got {s!r}. Fix: pass the cache's scale.")
+            elif framework_of(s) is not None and tuple(s.shape) in ((), (1,)):
+                if dtype_name(s) != "float32":
+                    raise RopePoolError(f"{name} as a tensor must be float32; got {dtype_name(s)}. "
+                                        f"Fix: {name}.float().")
+            else:
+                raise TypeError(f"{name} must be a float or a one-element float32 tensor; got "
+                                f"{type(s).__name__}. Fix: pass float(scale) or a tensor of shape [1].")
+        return
+    if k_scale is not None or v_scale is not None:
+        raise RopePoolError(f"k_scale/v_scale are for float8 pools; got a {pdt} pool. "
+                            "Fix: drop the scales, or allocate the pool as torch.float8_e4m3fn / float8_e5m2.")
+    if pdt != dt:
+        raise RopePoolError(f"pool dtypes must match q/k/v dtype; got pools {pdt}, q {dt}. "
+                            "Fix: allocate the pools in q's dtype (or float8 with k_scale/v_scale).")
+
+
+def _resolve_spec(rope, rope_base, head_dim) -> RopeSpec:
+    if rope is None:
+        if not isinstance(rope_base, (int, float)) or not rope_base > 0:
+            raise RopePoolError(f"rope_base must be a float > 0; got {rope_base!r}. Fix: pass the model's rope_theta.")
+        return default_spec(head_dim, float(rope_base))
+    if not isinstance(rope, RopeSpec):
+        raise TypeError(f"rope must be a ropepool.RopeSpec; got {type(rope).__name__}. "
+                        "Fix: RopeSpec.from_hf_config(config) or RopeSpec(head_dim=..., ...).")
+    if rope.head_dim != head_dim:
+        raise RopePoolError(f"rope.head_dim must equal head_dim; got rope.head_dim={rope.head_dim}, "
+                            f"head_dim={head_dim}. Fix: build the RopeSpec for this head_dim.")
+    if rope_base != 10000.0 and rope_base != rope.base:
+        raise RopePoolError(f"rope_base conflicts with rope.base; got rope_base={rope_base}, rope.base={rope.base}. "
+                            "Fix: with rope= given, leave rope_base at its default (the spec describes the rotation).")
+    return rope
+
+
+def _check_strides(**tensors):
+    for name, x in tensors.items():
+        if x.stride(-1) != 1 and x.shape[-1] > 1:
+            raise RopePoolError(f"{name} must have a contiguous last dim (stride 1); got strides {list(x.stride())}. "
+                                f"Fix: pass a view whose head_dim is contiguous (any token/head stride is fine).")
+
+
+def _check_out(name, out, like):
+    if out is None:
+        return
+    if tuple(out.shape) != tuple(like.shape) or out.dtype != like.dtype:
+        raise RopePoolError(f"{name} must have the shape and dtype of {name[0]}: {_shape(like)} {dtype_name(like)}; "
+                            f"got {_shape(out)} {dtype_name(out)}. Fix: torch.empty_like({name[0]}) or {name[0]} itself.")
+    _check_strides(**{name: out})
+
+
+def check_values(positions, slots, pool_size: int) -> None:
+    """Slots in ``[0, pool_size)`` or negative (skip), no slot twice, positions >= 0."""
+    import numpy as np
+
+    pos = np.asarray(positions.cpu() if hasattr(positions, "cpu") else positions)
+    slt = np.asarray(slots.cpu() if hasattr(slots, "cpu") else slots)
+    if pos.size and pos.min() < 0:
+        t = int(np.argmax(pos < 0))
+        raise RopePoolError(f"positions must be >= 0; got positions[{t}] = {int(pos[t])}. "
+                            "Fix: pass each token's position in its sequence (padding tokens: 0 and slot -1).")
+    used = slt[slt >= 0]
+    if used.size and used.max() >= pool_size:
+        t = int(np.argmax(slt >= pool_size))
+        raise RopePoolError(f"slots must be < pool_size ({pool_size}); got slots[{t}] = {int(slt[t])}. "
+                            "Fix: allocate slots inside the pool, or pass -1 to skip a token.")
+    uniq, counts = np.unique(used, return_counts=True)
+    if uniq.size != used.size:
+        s = int(uniq[counts > 1][0])
+        raise RopePoolError(f"slots must be unique within a call; got slot {s} {int(counts[counts > 1][0])} times. "
+                            "Fix: give each token its own slot (two tokens in one row race).")
+
+
+def validate_slots(slots, pool_size: int, positions=None) -> None:
+    """Check slot (and position) values on any device; synchronises with it.
+
+    The CUDA fast path skips this check (it would wait for the GPU) and masks
+    out-of-range slots instead; call this where a bad slot is a bug to catch.
+    """
+    _check_ints(pool_size=pool_size)
+    if framework_of(slots) is None:
+        raise TypeError(f"validate_slots expects slots as a torch.Tensor, mx.array or numpy.ndarray; got "
+                        f"{type(slots).__name__}. Fix: convert it.")
+    check_values(slots[:0] if positions is None else positions, slots, pool_size)
