@@ -124,7 +124,7 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
 
     if fw == "torch":
         _check_strides(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool)
-        if k_pool.data_ptr() == v_pool.data_ptr() and k_pool.numel():
+        if not _tracing() and k_pool.numel() and k_pool.data_ptr() == v_pool.data_ptr():
             raise RopePoolError("k_pool and v_pool are the same memory. Fix: pass two pools "
                                 "(for a combined [2, ...] tensor pass kv[0] and kv[1]).")
         _check_out("q_out", q_out, q)
@@ -135,9 +135,16 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
 
     call = Call(fw, T, head_dim, num_qo_heads, num_kv_heads, spec, layer, kv_layout,
                 page_size, num_pages * page_size, k_scale, v_scale)
-    if fw != "torch" or positions.device.type == "cpu":
+    if fw != "torch" or (positions.device.type == "cpu" and not _tracing()):
         check_values(positions, slots, call.pool_size)
     return call
+
+
+def _tracing() -> bool:
+    """Under torch.compile tensors are fakes: no data pointers, no values."""
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def _check_types(arrays, frameworks) -> str:
