@@ -1,0 +1,349 @@
+"""The benchmark: ropepool beside eager PyTorch, torch.compile, FlashInfer and a copy.
+
+For each geometry and token count it checks every provider against the
+float64 oracle, then times it: CUDA-graph replay (``graph``) for small and
+mid sizes, back-to-back eager calls from Python (``eager``), and plain
+event-timed calls for large sizes. Inputs rotate over enough sets that they
+do not sit in L2. Bandwidth is the op's own byte count over the median time;
+``%copy`` compares it with a device-to-device copy of the same bytes timed in
+the same run. ``benchmarks/bench.py`` runs it; ``ropepool bench`` too.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+import ropepool
+from ropepool.reference import rope_pool_fused as oracle
+
+GEOMETRIES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128), "h64-kv8": (64, 8, 128)}
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
+BASE = 500000.0
+
+
+@dataclass
+class Row:
+    geometry: str
+    layout: str
+    tokens: int
+    provider: str
+    mode: str
+    us: float
+    spread_pct: float
+    gbps: float
+    pct_copy: float
+    speedup_vs_eager: float | None = None
+
+
+def op_bytes(T, Hq, Hkv, D, elt, pool_elt, idx_elt=4):
+    """Fewest bytes: read q, k, v, positions, slots; write q_rot, k_rot and the two pool rows."""
+    return T * ((Hq + 2 * Hkv) * D * elt + 2 * idx_elt + (Hq + Hkv) * D * elt + 2 * Hkv * D * pool_elt)
+
+
+# --- the unfused baseline, as transformers writes it -------------------------
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq):
+    """LlamaRotaryEmbedding + apply_rotary_pos_emb + index_copy_ into the pools."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(q.dtype)[:, None], emb.sin().to(q.dtype)[:, None]
+    q_rot = q * cos + _rotate_half(q) * sin
+    k_rot = k * cos + _rotate_half(k) * sin
+    k_pool.index_copy_(0, slots, k_rot.to(k_pool.dtype))
+    v_pool.index_copy_(0, slots, v.to(v_pool.dtype))
+    return q_rot, k_rot
+
+
+@functools.lru_cache(maxsize=None)
+def _flashinfer():
+    """FlashInfer's rope and page modules, or None. With FI_PREBUILT set (a folder of
+    prebuilt JIT modules, NAME.so) they are loaded from there instead of JIT-built."""
+    try:
+        import flashinfer
+        import flashinfer.page  # noqa: F401
+        import flashinfer.rope  # noqa: F401
+    except Exception:
+        return None
+    pre = os.environ.get("FI_PREBUILT")
+    if pre:
+        from flashinfer.jit import core
+
+        build = core.JitSpecNvcc.try_load
+
+        def try_load(spec):
+            path = os.path.join(pre, spec.name + ".so")
+            return spec.load(path) if os.path.exists(path) else build(spec)
+
+        core.JitSpecNvcc.try_load = try_load
+    return flashinfer
+
+
+# --- timing -------------------------------------------------------------------
+class Clock:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _time(self, run, n, reps):
+        """Median and spread (IQR/median) of per-call time of ``run`` doing n calls."""
+        out = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                run()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b) * 1e3 / n)
+            else:
+                t = time.perf_counter()
+                run()
+                out.append((time.perf_counter() - t) * 1e6 / n)
+        q1, med, q3 = np.percentile(out, [25, 50, 75])
+        return med, 100 * (q3 - q1) / med
+
+    def eager(self, calls, budget_s=0.05, reps=7):
+        """Back-to-back calls from Python, rotating over the input sets."""
+        for c in calls:
+            c()
+        self.sync()
+        t = time.perf_counter()
+        calls[0]()
+        self.sync()
+        n = int(min(2000, max(len(calls), budget_s / max(time.perf_counter() - t, 1e-7))))
+
+        def run():
+            for i in range(n):
+                calls[i % len(calls)]()
+
+        return self._time(run, n, reps)
+
+    def graph(self, calls, reps=9):
+        """One CUDA graph holding one call per input set, replayed."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        replays = max(1, 200 // len(calls))
+
+        def run():
+            for _ in range(replays):
+                g.replay()
+
+        run()
+        return self._time(run, replays * len(calls), reps)
+
+
+# --- inputs -------------------------------------------------------------------
+def make_sets(T, Hq, Hkv, D, pool_size, dtype, device, rotate_bytes, gen):
+    per_set = T * (2 * Hq + 4 * Hkv) * D * torch.finfo(dtype).bits // 8
+    n = int(max(1, min(16, rotate_bytes // max(per_set, 1))))
+    sets = []
+    for _ in range(n):
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen, dtype=torch.float32).to(device, dtype)
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        sets.append(dict(
+            q=q.view(T, Hq, D), k=k.view(T, Hkv, D), v=v.view(T, Hkv, D),
+            positions=torch.randint(0, 131072, (T,), generator=gen, dtype=torch.int32).to(device),
+            slots=torch.randperm(pool_size, generator=gen)[:T].to(torch.int32).to(device),
+        ))
+    return sets
+
+
+def providers(Hq, Hkv, D, device, kv_layout):
+    inv_freq = torch.tensor(ropepool.RopeSpec(head_dim=D, base=BASE).inv_freq, dtype=torch.float32, device=device)
+    out = {}
+
+    def rp(s, kp, vp):
+        return lambda: ropepool.rope_pool_fused(
+            s["q"], s["k"], s["v"], s["positions"], s["slots"], kp, vp, head_dim=D, num_qo_heads=Hq,
+            num_kv_heads=Hkv, rope_base=BASE, kv_layout=kv_layout, **s.get("scales", {}))
+    out["ropepool"] = rp
+    if kv_layout is None:
+        def eager(s, kp, vp):
+            sl = s["slots"].long()
+            return lambda: hf_rope_pool(s["q"], s["k"], s["v"], s["positions"], sl, kp, vp, inv_freq)
+        out["eager"] = eager
+        compiled = torch.compile(hf_rope_pool, dynamic=False)
+
+        def comp(s, kp, vp):
+            sl = s["slots"].long()
+            return lambda: compiled(s["q"], s["k"], s["v"], s["positions"], sl, kp, vp, inv_freq)
+        out["compiled"] = comp
+        fi = _flashinfer() if device.type == "cuda" else None
+        if fi is not None:
+            out["flashinfer"] = _flashinfer_provider(fi, Hq, Hkv, D, device, inv_freq)
+    return out
+
+
+def _flashinfer_provider(fi, Hq, Hkv, D, device, inv_freq):
+    """FlashInfer's rope (cos/sin cache, in place) + append_paged_kv_cache with page_size 1."""
+    max_pos = 131072
+    ang = torch.arange(max_pos, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1)
+
+    def make(s, kp, vp):
+        T = s["q"].shape[0]
+        q, k = s["q"].clone(), s["k"].clone()
+        pos = s["positions"].long()
+        # page_size 1, one request: token i goes to page pages[i], so its
+        # position within the request must be i.
+        in_req = torch.arange(T, dtype=torch.int32, device=device)
+        batch = torch.zeros(T, dtype=torch.int32, device=device)
+        indptr = torch.tensor([0, T], dtype=torch.int32, device=device)
+        last = torch.ones(1, dtype=torch.int32, device=device)
+        pages = s["slots"]
+        qf, kf = q.view(T, Hq * D), k.view(T, Hkv * D)
+
+        def fn():
+            fi.rope.apply_rope_with_cos_sin_cache_inplace(pos, qf, kf, D, cos_sin, is_neox=True)
+            fi.page.append_paged_kv_cache(k, s["v"], batch, in_req, (kp[:, None], vp[:, None]), pages, indptr, last,
+                                     kv_layout="NHD")
+            return q, k
+        return fn
+    return make
+
+
+def check(name, fn, s, kp, vp, Hq, Hkv, D, kv_layout):
+    """Poisoned pools, one call, compare with the oracle; returns max relative error."""
+    kp.fill_(float("nan")) if kp.dtype.is_floating_point and kp.element_size() > 1 else kp.zero_()
+    vp.copy_(kp)
+    q_rot, k_rot = fn()[:2]
+    T = s["q"].shape[0]
+    # The oracle's q_rot and k_rot; the pool rows must equal k_rot and v.
+    ref = oracle(*(x.detach().cpu().double().numpy() for x in (s["q"], s["k"], s["v"])),
+                 s["positions"].cpu().numpy(), np.full(T, -1), np.zeros((1, Hkv, D)), np.zeros((1, Hkv, D)),
+                 head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope_base=BASE)
+    flat = (lambda p: p) if kv_layout is None else (lambda p: p.reshape(-1, Hkv, D))
+    got = [q_rot, k_rot, flat(kp)[s["slots"].long()], flat(vp)[s["slots"].long()]]
+    want = [ref[0], ref[1], ref[1], s["v"].double().cpu().numpy()]
+    err = 0.0
+    for g, w in zip(got, want):
+        g = g.detach().double().cpu().numpy()
+        err = max(err, float(np.linalg.norm(g - w) / np.linalg.norm(w)) if np.isfinite(g).all() else float("inf"))
+    return err
+
+
+def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rotate_bytes=256 << 20,
+        graph_max=4096, eager_max=256, kv_layouts=(None,), log=print):
+    gen = torch.Generator().manual_seed(0)
+    clock = Clock(device)
+    rows = []
+    for gname in geometries:
+        Hq, Hkv, D = GEOMETRIES[gname]
+        for kv_layout in kv_layouts:
+            pool_shape = (pool_size, Hkv, D) if kv_layout is None else (pool_size // 16, 16, Hkv, D)
+            kp = torch.empty(pool_shape, dtype=dtype, device=device)
+            vp = torch.empty_like(kp)
+            provs = providers(Hq, Hkv, D, device, kv_layout)
+            for T in tokens:
+                sets = make_sets(T, Hq, Hkv, D, pool_size, dtype, device, rotate_bytes, gen)
+                nbytes = op_bytes(T, Hq, Hkv, D, dtype.itemsize, kp.element_size())
+                copy_src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+                copy_dst = torch.empty_like(copy_src)
+                timed = {"copy": [lambda: copy_dst.copy_(copy_src)]}
+                for name, make in provs.items():
+                    fns = [make(s, kp, vp) for s in sets]
+                    err = check(name, fns[0], sets[0], kp, vp, Hq, Hkv, D, kv_layout)
+                    if not err <= 2e-2 and not np.isnan(err):
+                        log(f"  {gname} T={T} {name}: FAILED check (rel err {err:.3g}); not timed")
+                        continue
+                    timed[name] = fns
+                modes = []
+                if device.type == "cuda" and T <= graph_max:
+                    modes.append("graph")
+                if T <= eager_max or device.type != "cuda" or T > graph_max:
+                    modes.append("eager")
+                for mode in modes:
+                    res = {}
+                    for name, fns in timed.items():
+                        try:
+                            res[name] = clock.graph(fns) if mode == "graph" else clock.eager(fns)
+                        except Exception as e:  # a provider that cannot be captured is reported, not fatal
+                            log(f"  {gname} T={T} {name} {mode}: {type(e).__name__}: {e}")
+                    copy_us = res["copy"][0]
+                    for name, (us, spread) in res.items():
+                        eager_us = res.get("eager", (None,))[0]
+                        rows.append(Row(gname, kv_layout or "flat", T, name, mode, us, spread,
+                                        nbytes / us / 1e3, 100 * copy_us / us,
+                                        eager_us / us if eager_us else None))
+                del sets, copy_src, copy_dst
+                log(f"  {gname} {kv_layout or 'flat'} T={T}: done")
+            del kp, vp
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def environment(device):
+    env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
+           "ropepool": ropepool.__version__, "device": str(device)}
+    if device.type == "cuda":
+        import triton
+
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda, triton=triton.__version__)
+        fi = _flashinfer()
+        env["flashinfer"] = getattr(fi, "__version__", None)
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+    return env
+
+
+def print_table(rows, env):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="rope_pool_fused, bf16 ({})".format(", ".join(f"{k}={v}" for k, v in env.items() if v)))
+    for col in ("geometry", "layout", "T", "provider", "mode", "µs", "±%", "GB/s", "%copy", "x eager"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r.geometry, r.layout, str(r.tokens), r.provider, r.mode, f"{r.us:.2f}", f"{r.spread_pct:.0f}",
+                  f"{r.gbps:.0f}", f"{r.pct_copy:.0f}%",
+                  f"{r.speedup_vs_eager:.1f}x" if r.speedup_vs_eager else "")
+    Console(width=160).print(t)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="ropepool bench", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--geometries", default=",".join(GEOMETRIES))
+    p.add_argument("--tokens", default=None, help="comma-separated (default: all on CUDA, up to 1024 on CPU)")
+    p.add_argument("--pool-size", type=int, default=None, help="default 262144 on CUDA, 16384 on CPU")
+    p.add_argument("--layouts", default="flat", help="comma-separated: flat, NHD (paged, page_size 16)")
+    p.add_argument("--json", default=None, help="write the records here")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    tokens = [int(x) for x in a.tokens.split(",")] if a.tokens else (TOKENS if cuda else (1, 16, 256, 1024))
+    pool = a.pool_size or (262144 if cuda else 16384)
+    layouts = [None if x == "flat" else x for x in a.layouts.split(",")]
+    env = environment(device)
+    rows = run(a.geometries.split(","), tokens, device, pool_size=pool, kv_layouts=layouts,
+               rotate_bytes=(256 << 20) if cuda else (8 << 20))
+    print_table(rows, env)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0

@@ -1,0 +1,55 @@
+"""``ropepool demo | bench | env``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def env_report() -> int:
+    import importlib.metadata as md
+    import platform
+
+    from .backends import BACKENDS
+
+    print(f"python {platform.python_version()} on {platform.machine()}")
+    for name in ("ropepool", "numpy", "torch", "triton", "mlx", "transformers"):
+        try:
+            print(f"  {name:<13} {md.version(name)}")
+        except md.PackageNotFoundError:
+            print(f"  {name:<13} not installed")
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        print(f"  cuda          {torch.cuda.get_device_name() if cuda else 'not available'}")
+        q = torch.empty(0, device="cuda" if cuda else "cpu")
+    except ImportError:
+        q = None
+    print("backends (in order of preference):")
+    for b in BACKENDS:
+        why = b.why_not(q) if b.framework == "torch" and q is not None else (
+            b.why_not(None) if b.framework == "mlx" else "torch is not installed")
+        print(f"  {b.name:<7} {b.framework:<6} {'ready' if why is None else why}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="ropepool", description="RoPE + KV-pool write, fused.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("demo", help="serve small transformers models through ropepool and compare", add_help=False)
+    sub.add_parser("bench", help="time ropepool beside eager PyTorch, torch.compile and a copy", add_help=False)
+    sub.add_parser("env", help="versions, devices and which backend would run")
+    a, rest = p.parse_known_args(argv)
+    if a.cmd == "demo":
+        from .demo import main as demo
+
+        return demo(rest)
+    if a.cmd == "bench":
+        from .bench import main as bench
+
+        return bench(rest)
+    return env_report()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
