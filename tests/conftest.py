@@ -9,6 +9,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch_only: too big for the Triton CPU interpreter; on CPU the "
+                                       "triton backend skips it (it runs on CUDA)")
+
+
 @pytest.fixture
-def rng():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+def rng(request):
+    """A fresh seed each run (ROPEPOOL_SEED=<n> repeats one); a failing test reports it."""
+    seed = int(os.environ.get("ROPEPOOL_SEED") or int.from_bytes(os.urandom(4), "little"))
+    request.node.user_properties.append(("seed", seed))
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for key, value in item.user_properties:
+            if key == "seed":
+                report.sections.append(("seed", f"rerun with ROPEPOOL_SEED={value}"))

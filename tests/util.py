@@ -34,7 +34,7 @@ def assert_close(name, out: torch.Tensor, ref: np.ndarray, dtype):
     assert not np.isnan(got).any(), f"{name}: NaN (unwritten?) at {np.argwhere(np.isnan(got))[:5].tolist()}"
     err = np.abs(got - ref) / np.maximum(1.0, np.abs(ref))
     tol = TOL[dtype]
-    if err.max() > tol:
+    if err.size and err.max() > tol:
         bad = np.argwhere(err > tol)[:5].tolist()
         raise AssertionError(f"{name}: max rel err {err.max():.3g} > {tol} for {dtype}; first at {bad}")
 
@@ -45,3 +45,86 @@ def random_slots(T: int, pool_size: int, gen, skip_every: int = 0) -> torch.Tens
     if skip_every:
         slots[::skip_every] = -1
     return slots
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``x`` (on the CPU) as same-width ints: NaN payloads and -0.0 compare exactly."""
+    return x.detach().cpu().contiguous().view(_INT_OF_SIZE[x.element_size()])
+
+
+def assert_same_bits(name, got: torch.Tensor, want: torch.Tensor):
+    g, w = bits(got), bits(want)
+    assert g.shape == w.shape, f"{name}: shape {list(g.shape)} vs {list(w.shape)}"
+    bad = (g != w).nonzero()
+    if len(bad):
+        first = tuple(bad[0].tolist())
+        raise AssertionError(f"{name}: {len(bad)} of {g.numel()} elements differ bit for bit; first at {first}: "
+                             f"got {got.detach().cpu()[first].item()!r}, want {want.detach().cpu()[first].item()!r}; "
+                             f"mismatching indices {bad[:5].tolist()}")
+
+
+POISON = (float("nan"), float("inf"), float("-inf"), -0.0)
+
+
+def plant_poison(pool, slots):
+    """NaN-fill rows that will be written; plant NaN/inf/-inf/-0.0 in rows that must survive."""
+    written = sorted(s for s in slots.tolist() if s >= 0)
+    kept = sorted(set(range(pool.shape[0])) - set(written))
+    for r in written[::2]:
+        pool[r] = float("nan")
+    for i, r in enumerate(kept[:8]):
+        pool[r].view(-1)[i % 3::3] = POISON[i % len(POISON)]
+    return pool
+
+
+def run_checked(backend, q, k, v, positions, slots, pools, *, views=tuple, row=lambda s: s, layer=None,
+                kv_layout=None, q_out=None, k_out=None, **kw):
+    """Run the op and check all it returns and every byte it may or may not write.
+
+    pools: the tensors that own the pools' memory; views(pools) -> (k_pool, v_pool).
+    row(s): the index of slot s in one layer of a pool (paged layouts differ).
+    """
+    k_pool, v_pool = views(pools)
+    before = [p.clone() for p in pools]
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+    ptrs = (k_pool.data_ptr(), v_pool.data_ptr())
+    q_rot, k_rot, kp, vp = ropepool.rope_pool_fused(
+        q, k, v, positions, slots, k_pool, v_pool, layer=layer, kv_layout=kv_layout, q_out=q_out, k_out=k_out,
+        backend=backend, **kw)
+
+    assert kp is k_pool and vp is v_pool, "the pools come back as the same objects"
+    assert (kp.data_ptr(), vp.data_ptr()) == ptrs
+    # q_rot/k_rot: the given outputs, or new tensors (empty ones have no memory to compare).
+    assert q_rot is q_out if q_out is not None else (q.numel() == 0 or q_rot.data_ptr() != q.data_ptr())
+    assert k_rot is k_out if k_out is not None else (k.numel() == 0 or k_rot.data_ptr() != k.data_ptr())
+    for name, x, x0, out in (("q", q, q0, q_out), ("k", k, k0, k_out), ("v", v, v0, None)):
+        if out is None or out.data_ptr() != x.data_ptr():
+            assert_same_bits(f"{name} after the call (inputs are never modified)", x, x0)
+
+    ref = oracle(q0, k0, v0, positions, slots, *views(before), head_dim=kw["head_dim"],
+                 num_qo_heads=kw["num_qo_heads"], num_kv_heads=kw["num_kv_heads"],
+                 rope_base=kw.get("rope_base", 10000.0), rope=kw.get("rope"), layer=layer, kv_layout=kv_layout)
+    assert_close("q_rot", q_rot, ref[0], q.dtype)
+    assert_close("k_rot", k_rot, ref[1], q.dtype)
+
+    # The pools' memory: as before, except each written row, which holds the
+    # returned k_rot row and the given v row, bit for bit.
+    want = [p.clone() for p in before]
+    wk, wv = views(want)
+    if layer is not None:
+        wk, wv = wk[layer], wv[layer]
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            wk[row(s)], wv[row(s)] = k_rot[t], v0[t]
+    for i, (p, w) in enumerate(zip(pools, want)):
+        assert_same_bits(f"pool memory {i} (written rows == k_rot/v, the rest untouched)", p, w)
+    return q_rot, k_rot
+
+
+def heads(q, k):
+    return dict(head_dim=q.shape[2], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1])
+
+

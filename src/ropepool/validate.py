@@ -7,6 +7,7 @@ fix. docs/errors.md lists each one; tests/test_errors.py keeps the two in step.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,21 +40,40 @@ class Call:
     v_scale: object
 
 
+# Looked up per call on the hot path, so both are cached by type / dtype.
+_FRAMEWORK_BY_TYPE: dict = {}
+_DTYPE_NAMES: dict = {}
+
+
 def framework_of(x) -> str | None:
-    mod = type(x).__module__
+    t = type(x)
+    fw = _FRAMEWORK_BY_TYPE.get(t, False)
+    if fw is False:
+        fw = _FRAMEWORK_BY_TYPE[t] = _framework_of_type(t)
+    return fw
+
+
+def _framework_of_type(t) -> str | None:
+    mod = t.__module__
     if mod.startswith("torch"):
         import torch
 
-        return "torch" if isinstance(x, torch.Tensor) else None
+        return "torch" if issubclass(t, torch.Tensor) else None
     if mod.startswith("mlx"):
-        return "mlx"
-    if mod == "numpy" and hasattr(x, "dtype") and hasattr(x, "shape"):
-        return "numpy"
+        return "mlx" if t.__name__ == "array" else None
+    if mod == "numpy":
+        import numpy as np
+
+        return "numpy" if issubclass(t, np.ndarray) else None
     return None
 
 
 def dtype_name(x) -> str:
-    return str(x.dtype).rsplit(".", 1)[-1]
+    dt = x.dtype
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt).rsplit(".", 1)[-1]
+    return name
 
 
 def _shape(x) -> list:
@@ -65,9 +85,59 @@ def default_spec(head_dim: int, rope_base: float) -> RopeSpec:
     return RopeSpec(head_dim=head_dim, base=rope_base)
 
 
+# Checked torch calls by signature: an engine repeats a few layouts, and on
+# a GPU the host time of a decode step is mostly this module's Python.
+_CHECKED: dict = {}
+
+
+def _signature(arrays, scalars):
+    """Everything ``check`` reads of a torch call, or None to check in full."""
+    if type(arrays[0]).__module__ != "torch" or _tracing():
+        return None
+    # With each scalar's type: True == 1 and 1 == 1.0 as keys, but layer=True
+    # and k_scale=True must still be rejected after a call with 1 passed.
+    scalars = tuple((type(s), s) for s in scalars)
+    try:
+        hash(scalars)
+    except TypeError:  # e.g. rope={...}: check in full, which says what is wrong
+        return None
+    sig = [scalars, arrays[0].device]
+    for x in arrays:
+        if x is None:
+            sig.append(None)
+        elif type(x).__module__ == "torch" and x.__class__.__name__ in ("Tensor", "Parameter"):
+            sig += (type(x), x.shape, x.stride(), x.dtype, x.get_device(), x.is_cpu)
+        else:
+            return None
+    sig.append(arrays[5].data_ptr() == arrays[6].data_ptr())
+    return tuple(sig)
+
+
 def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
           num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout,
           q_out=None, k_out=None, frameworks=("torch", "mlx")) -> Call:
+    sig = None
+    if "torch" in frameworks and not hasattr(k_scale, "shape") and not hasattr(v_scale, "shape"):
+        sig = _signature((q, k, v, positions, slots, k_pool, v_pool, q_out, k_out),
+                         (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout))
+        call = _CHECKED.get(sig) if sig is not None else None
+        if call is not None:
+            if positions.is_cpu:
+                check_values(positions, slots, call.pool_size)
+            return call
+    call = _check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim, num_qo_heads=num_qo_heads,
+                  num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope, layer=layer, k_scale=k_scale,
+                  v_scale=v_scale, kv_layout=kv_layout, q_out=q_out, k_out=k_out, frameworks=frameworks)
+    if sig is not None:
+        if len(_CHECKED) > 4096:
+            _CHECKED.clear()
+        _CHECKED[sig] = call
+    return call
+
+
+def _check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
+           num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout,
+           q_out, k_out, frameworks) -> Call:
     arrays = (q, k, v, positions, slots, k_pool, v_pool)
     fw = _check_types(arrays, frameworks)
     if fw == "torch":
@@ -119,12 +189,15 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
                                 f"Fix: {name}.to(torch.int32) (or .astype(mx.int32)).")
 
     layer, page_size, num_pages = _check_pools(k_pool, v_pool, layer, kv_layout, num_kv_heads, head_dim)
-    _check_scales(dt, k_pool, k_scale, v_scale)
+    _check_scales(dt, k_pool, k_scale, v_scale, q)
     spec = _resolve_spec(rope, rope_base, head_dim)
 
     if fw == "torch":
-        _check_strides(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool)
-        if not _tracing() and k_pool.numel() and k_pool.data_ptr() == v_pool.data_ptr():
+        # positions/slots too: the kernel reads them as flat int arrays.
+        _check_strides(q=q, k=k, v=v, positions=positions, slots=slots, k_pool=k_pool, v_pool=v_pool)
+        # Meta tensors have no memory (data_ptr() is 0 for all of them).
+        if (not _tracing() and k_pool.numel() and k_pool.device.type != "meta"
+                and k_pool.data_ptr() == v_pool.data_ptr()):
             raise RopePoolError("k_pool and v_pool are the same memory. Fix: pass two pools "
                                 "(for a combined [2, ...] tensor pass kv[0] and kv[1]).")
         _check_out("q_out", q_out, q)
@@ -203,6 +276,8 @@ def _pool_fix(pool, num_kv_heads, head_dim) -> str:
 
 
 def _check_pools(k_pool, v_pool, layer, kv_layout, num_kv_heads, head_dim):
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
+        raise TypeError(f"layer must be an int; got {type(layer).__name__}. Fix: pass the layer index.")
     if kv_layout is not None and kv_layout not in KV_LAYOUTS:
         raise RopePoolError(f"kv_layout must be None, 'NHD' or 'HND'; got {kv_layout!r}. "
                             "Fix: None for [pool_size, heads, dim], 'NHD' for [pages, page_size, heads, dim], "
@@ -216,10 +291,17 @@ def _check_pools(k_pool, v_pool, layer, kv_layout, num_kv_heads, head_dim):
                     f"({pool.ndim}-D). Fix: {_pool_fix(pool, num_kv_heads, head_dim)}.")
             lay = "" if kv_layout is None else f" with kv_layout={kv_layout!r}"
             lyr = "" if layer is None else " with layer= (a leading layer dim)"
+            if pool.ndim == want - 1 and layer is not None:
+                fix = "drop layer= for a single-layer pool"
+            elif pool.ndim == want - 1:
+                fix = "drop kv_layout= for a flat [pool_size, num_kv_heads, head_dim] pool"
+            elif pool.ndim == want + 1 and layer is None:
+                fix = "pass layer=<index> for a layer-stacked pool"
+            else:
+                fix = "pass the pool in the layout named"
             raise RopePoolError(
                 f"rope_pool_fused expects pool tensors to be {want}-D{lay}{lyr}; got {name} of shape "
-                f"{_shape(pool)}. Fix: " + ("drop layer= for a single-layer pool" if pool.ndim == want - 1
-                                            else "pass the pool in the layout named") + ".")
+                f"{_shape(pool)}. Fix: {fix}.")
     if tuple(v_pool.shape) != tuple(k_pool.shape):
         raise RopePoolError(f"v_pool shape must match k_pool shape, got {_shape(v_pool)} vs {_shape(k_pool)}. "
                             "Fix: pass K and V pools of one cache.")
@@ -228,8 +310,6 @@ def _check_pools(k_pool, v_pool, layer, kv_layout, num_kv_heads, head_dim):
                             f"v_pool {dtype_name(v_pool)}. Fix: allocate both pools with one dtype.")
     shape = tuple(k_pool.shape)
     if layer is not None:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer must be an int; got {type(layer).__name__}. Fix: pass the layer index.")
         if not 0 <= layer < shape[0]:
             raise RopePoolError(f"layer must be in [0, {shape[0]}) for a pool of {shape[0]} layers; got {layer}. "
                                 "Fix: pass a layer index of this pool.")
@@ -250,17 +330,23 @@ def _check_pools(k_pool, v_pool, layer, kv_layout, num_kv_heads, head_dim):
     return layer, page_size, num_pages
 
 
-def _check_scales(dt, k_pool, k_scale, v_scale):
+def _check_scales(dt, k_pool, k_scale, v_scale, q):
     pdt = dtype_name(k_pool)
     if pdt in FP8_DTYPES:
         if k_scale is None or v_scale is None:
+            given = " and ".join(n for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is None)
             raise RopePoolError(f"an {pdt} pool needs k_scale= and v_scale= (stored value = value / scale); "
-                                "got none. Fix: pass the cache's scales (1.0 if it has none).")
+                                f"got no {given}. Fix: pass the cache's scales (1.0 if it has none).")
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if isinstance(s, (int, float)) and not isinstance(s, bool):
+            if isinstance(s, numbers.Real) and not isinstance(s, bool):  # NumPy scalars too
                 if not (0 < float(s) < float("inf")):
                     raise RopePoolError(f"{name} must be a finite float > 0; got {s!r}. Fix: pass the cache's scale.")
             elif framework_of(s) is not None and tuple(s.shape) in ((), (1,)):
+                if framework_of(s) != framework_of(q) or getattr(s, "device", None) != getattr(q, "device", None):
+                    where = f" on {s.device}" if hasattr(s, "device") else ""
+                    raise TypeError(f"{name} as a tensor must come from q's framework and device; got "
+                                    f"{type(s).__module__}.{type(s).__name__}{where}. "
+                                    f"Fix: pass float({name}), or move it next to q.")
                 if dtype_name(s) != "float32":
                     raise RopePoolError(f"{name} as a tensor must be float32; got {dtype_name(s)}. "
                                         f"Fix: {name}.float().")
@@ -278,7 +364,7 @@ def _check_scales(dt, k_pool, k_scale, v_scale):
 
 def _resolve_spec(rope, rope_base, head_dim) -> RopeSpec:
     if rope is None:
-        if not isinstance(rope_base, (int, float)) or not rope_base > 0:
+        if isinstance(rope_base, bool) or not isinstance(rope_base, numbers.Real) or not rope_base > 0:
             raise RopePoolError(f"rope_base must be a float > 0; got {rope_base!r}. Fix: pass the model's rope_theta.")
         return default_spec(head_dim, float(rope_base))
     if not isinstance(rope, RopeSpec):
@@ -296,8 +382,10 @@ def _resolve_spec(rope, rope_base, head_dim) -> RopeSpec:
 def _check_strides(**tensors):
     for name, x in tensors.items():
         if x.stride(-1) != 1 and x.shape[-1] > 1:
+            fix = (f"{name}.contiguous() (it is only read)" if x.ndim == 1 else
+                   "pass a view whose head_dim is contiguous (any token/head stride is fine)")
             raise RopePoolError(f"{name} must have a contiguous last dim (stride 1); got strides {list(x.stride())}. "
-                                f"Fix: pass a view whose head_dim is contiguous (any token/head stride is fine).")
+                                f"Fix: {fix}.")
 
 
 def _check_out(name, out, like):
@@ -338,7 +426,13 @@ def validate_slots(slots, pool_size: int, positions=None) -> None:
     out-of-range slots instead; call this where a bad slot is a bug to catch.
     """
     _check_ints(pool_size=pool_size)
-    if framework_of(slots) is None:
-        raise TypeError(f"validate_slots expects slots as a torch.Tensor, mx.array or numpy.ndarray; got "
-                        f"{type(slots).__name__}. Fix: convert it.")
+    for name, x in (("slots", slots), ("positions", positions)):
+        if x is None:
+            continue
+        if framework_of(x) is None:
+            raise TypeError(f"validate_slots expects {name} as a torch.Tensor, mx.array or numpy.ndarray; got "
+                            f"{type(x).__name__}. Fix: convert it.")
+        if dtype_name(x) not in INDEX_DTYPES or x.ndim != 1:
+            raise RopePoolError(f"validate_slots expects {name} as a 1-D int32 or int64 array; got "
+                                f"{x.ndim}-D {dtype_name(x)}. Fix: pass the {name} given to rope_pool_fused.")
     check_values(slots[:0] if positions is None else positions, slots, pool_size)

@@ -143,7 +143,7 @@ def test_precision_at_2_24():
     q_rot, _, _, _ = ropepool.rope_pool_fused(q, k, v, pos, slots, torch.zeros(P, H, D, device=DEV),
                                               torch.zeros(P, H, D, device=DEV), head_dim=D, num_qo_heads=H,
                                               num_kv_heads=H)
-    ref = oracle(q, k, v, pos, slots, np.zeros((P, H, D)), np.zeros((P, H, D)), head_dim=D, num_qo_heads=H,
+    ref = oracle(q, k, v, pos, slots, torch.zeros(P, H, D), torch.zeros(P, H, D), head_dim=D, num_qo_heads=H,
                  num_kv_heads=H)
     assert_close("q_rot at 2^24", q_rot, ref[0], torch.float32)
 

@@ -24,11 +24,18 @@ class Backend:
     why_not: Callable[[object], str | None]  # given q; None when it can run
 
     def run(self, *args, **kwargs):
-        return importlib.import_module(self.module, __name__).run(*args, **kwargs)
+        mod = _LOADED.get(self.module)
+        if mod is None:
+            mod = _LOADED[self.module] = importlib.import_module(self.module, __name__)
+        return mod.run(*args, **kwargs)
+
+
+_LOADED: dict = {}
+_INSTALLED = {name: importlib.util.find_spec(name) is not None for name in ("triton", "mlx")}
 
 
 def _triton_why_not(q) -> str | None:
-    if importlib.util.find_spec("triton") is None:
+    if not _INSTALLED["triton"]:
         return "triton is not installed (pip install 'ropepool[cuda]')"
     if q is None or q.device.type == "cuda":
         return None
@@ -38,7 +45,7 @@ def _triton_why_not(q) -> str | None:
 
 
 def _mlx_why_not(q) -> str | None:
-    return None if importlib.util.find_spec("mlx") else "mlx is not installed (pip install 'ropepool[mlx]')"
+    return None if _INSTALLED["mlx"] else "mlx is not installed (pip install 'ropepool[mlx]')"
 
 
 # In order of preference within a framework.

@@ -1,10 +1,14 @@
 """The fused kernel: RoPE on q and k, k_rot and v into the pool, one launch.
 
-One program per token. cos/sin are computed once per (token, frequency) with
-libdevice's accurate sin/cos (tl.sin/tl.cos lower to approximations on
-CUDA that lose digits at large angles) and reused for every head. Pool stores are
-masked by ``0 <= slot < pool_size``, so no slot value can write outside the
-pool, and need no device sync. Addresses are int64 (pools past 2^31 elements).
+One program per token. Every load is issued before the first use, so a
+program waits for memory once, not once per tensor (that is what keeps a
+decode-sized call near the launch floor). cos/sin are computed once per
+(token, frequency) with libdevice's accurate sin/cos (tl.sin/tl.cos lower to
+approximations on CUDA that lose digits at large angles) and reused for
+every head. Pool stores are masked by ``0 <= slot < pool_size``, so no slot
+value can write outside the pool, and need no device sync. Strides are
+compile-time constants (an engine has a handful of layouts), which gives
+the compiler the alignment it needs for wide accesses; addresses are int64.
 """
 import os
 
@@ -22,19 +26,29 @@ def _to_pool(x, pool_ptr, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
         # Quantize the row the caller gets back (in q's dtype), saturating.
         y = x.to(tl.float32) / scale
         return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(pool_ptr.dtype.element_ty)
-    return x
+    else:
+        return x.to(pool_ptr.dtype.element_ty)
 
 
-@triton.jit
-def _rope_heads(x_row, x_sh, o_row, o_sh, p_row, p_sh, cos, sin, p_heads, scale,
-                H: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                ROT: tl.constexpr, D: tl.constexpr, BLOCK_PASS: tl.constexpr, GPTJ: tl.constexpr,
-                TO_POOL: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Rotate heads [0, H) of one token's row; with TO_POOL, heads [0, p_heads) also go to the pool.
-
-    p_heads is H or 0 (slot skipped): masks are built from comparisons only,
-    as the interpreter mishandles a tensor mask ANDed with a scalar bool.
-    """
+@triton.jit(do_not_specialize=["pool_size"])
+def rope_pool_kernel(
+    q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, use_long, k_scale_ptr, v_scale_ptr,
+    pool_size, k_scale, v_scale, attention_scaling,
+    Q_ST: tl.constexpr, Q_SH: tl.constexpr, K_ST: tl.constexpr, K_SH: tl.constexpr,
+    V_ST: tl.constexpr, V_SH: tl.constexpr, QO_ST: tl.constexpr, QO_SH: tl.constexpr,
+    KO_ST: tl.constexpr, KO_SH: tl.constexpr,
+    KP_PAGE: tl.constexpr, KP_ROW: tl.constexpr, KP_SH: tl.constexpr,
+    VP_PAGE: tl.constexpr, VP_ROW: tl.constexpr, VP_SH: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr,
+    BHQ: tl.constexpr, BHKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr, LONGROPE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    SCALE_PTR: tl.constexpr,
+):
+    # Tiles are [head, feature].
+    t = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = ROT // 2
+    hq = tl.arange(0, BHQ)[:, None]
+    hk = tl.arange(0, BHKV)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
     if GPTJ:
         d1 = 2 * i
@@ -42,56 +56,36 @@ def _rope_heads(x_row, x_sh, o_row, o_sh, p_row, p_sh, cos, sin, p_heads, scale,
     else:
         d1 = i
         d2 = i + HALF
-    for h0 in tl.static_range(0, H, BH):
-        h = h0 + tl.arange(0, BH)[:, None]
-        m = (h < H) & (i < HALF)
-        mw = (h < p_heads) & (i < HALF)
-        x1 = tl.load(x_row + h * x_sh + d1, mask=m).to(tl.float32)
-        x2 = tl.load(x_row + h * x_sh + d2, mask=m).to(tl.float32)
-        o1 = (x1 * cos - x2 * sin).to(o_row.dtype.element_ty)
-        o2 = (x1 * sin + x2 * cos).to(o_row.dtype.element_ty)
-        tl.store(o_row + h * o_sh + d1, o1, mask=m)
-        tl.store(o_row + h * o_sh + d2, o2, mask=m)
-        if TO_POOL:
-            tl.store(p_row + h * p_sh + d1, _to_pool(o1, p_row, scale, FP8, FP8_MAX), mask=mw)
-            tl.store(p_row + h * p_sh + d2, _to_pool(o2, p_row, scale, FP8, FP8_MAX), mask=mw)
-        if BLOCK_PASS > 0:
-            j = ROT + tl.arange(0, BLOCK_PASS)[None, :]
-            mp = (h < H) & (j < D)
-            mpw = (h < p_heads) & (j < D)
-            xp = tl.load(x_row + h * x_sh + j, mask=mp)
-            tl.store(o_row + h * o_sh + j, xp, mask=mp)
-            if TO_POOL:
-                tl.store(p_row + h * p_sh + j, _to_pool(xp, p_row, scale, FP8, FP8_MAX), mask=mpw)
+    mq = (hq < HQ) & (i < HALF)
+    mk = (hk < HKV) & (i < HALF)
 
-
-@triton.jit
-def rope_pool_kernel(
-    q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, use_long, k_scale_ptr, v_scale_ptr,
-    pool_size, page_size, k_scale, v_scale, attention_scaling,
-    q_st, q_sh, k_st, k_sh, v_st, v_sh, qo_st, qo_sh, ko_st, ko_sh,
-    kp_page, kp_row, kp_sh, vp_page, vp_row, vp_sh,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr,
-    BHQ: tl.constexpr, BHKV: tl.constexpr, BHV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
-    LONGROPE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_PTR: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    HALF: tl.constexpr = ROT // 2
+    # All loads first.
     pos = tl.load(positions + t).to(tl.float32)
     slot = tl.load(slots + t).to(tl.int64)
-    write = (slot >= 0) & (slot < pool_size)
-    p_heads = tl.where(write, HKV, 0)
-    slot = tl.where(write, slot, 0)
-    page = slot // page_size
-    row = slot % page_size
-
-    i = tl.arange(0, BLOCK_HALF)[None, :]
     if LONGROPE:
-        i_freq = i + tl.load(use_long).to(tl.int32) * HALF
+        inv_freq = tl.load(freqs + i + tl.load(use_long).to(tl.int32) * HALF, mask=i < HALF, other=0.0)
     else:
-        i_freq = i
-    ang = pos * tl.load(freqs + i_freq, mask=i < HALF, other=0.0)
+        inv_freq = tl.load(freqs + i, mask=i < HALF, other=0.0)
+    q_row = q + t * Q_ST + hq * Q_SH
+    k_row = k + t * K_ST + hk * K_SH
+    q1 = tl.load(q_row + d1, mask=mq).to(tl.float32)
+    q2 = tl.load(q_row + d2, mask=mq).to(tl.float32)
+    k1 = tl.load(k_row + d1, mask=mk).to(tl.float32)
+    k2 = tl.load(k_row + d2, mask=mk).to(tl.float32)
+    dv = tl.arange(0, BLOCK_D)[None, :]
+    mv = (hk < HKV) & (dv < D)
+    vals = tl.load(v + t * V_ST + hk * V_SH + dv, mask=mv)
+    if BLOCK_PASS > 0:
+        j = ROT + tl.arange(0, BLOCK_PASS)[None, :]
+        mqp = (hq < HQ) & (j < D)
+        mkp = (hk < HKV) & (j < D)
+        q_pass = tl.load(q_row + j, mask=mqp)
+        k_pass = tl.load(k_row + j, mask=mkp)
+    if SCALE_PTR:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+
+    ang = pos * inv_freq
     if _INTERPRET:
         cos = tl.cos(ang) * attention_scaling
         sin = tl.sin(ang) * attention_scaling
@@ -99,20 +93,31 @@ def rope_pool_kernel(
         cos = libdevice.cos(ang) * attention_scaling
         sin = libdevice.sin(ang) * attention_scaling
 
-    if SCALE_PTR:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+    qo_row = q_out + t * QO_ST + hq * QO_SH
+    tl.store(qo_row + d1, (q1 * cos - q2 * sin).to(q_out.dtype.element_ty), mask=mq)
+    tl.store(qo_row + d2, (q1 * sin + q2 * cos).to(q_out.dtype.element_ty), mask=mq)
+    k1r = (k1 * cos - k2 * sin).to(k_out.dtype.element_ty)
+    k2r = (k1 * sin + k2 * cos).to(k_out.dtype.element_ty)
+    ko_row = k_out + t * KO_ST + hk * KO_SH
+    tl.store(ko_row + d1, k1r, mask=mk)
+    tl.store(ko_row + d2, k2r, mask=mk)
+    if BLOCK_PASS > 0:
+        tl.store(qo_row + j, q_pass, mask=mqp)
+        tl.store(ko_row + j, k_pass, mask=mkp)
 
-    _rope_heads(q + t * q_st, q_sh, q_out + t * qo_st, qo_sh, q_out, 0, cos, sin, 0, k_scale,
-                HQ, BHQ, HALF, BLOCK_HALF, ROT, D, BLOCK_PASS, GPTJ, False, FP8, FP8_MAX)
-    kp_row_ptr = k_pool + page * kp_page + row * kp_row
-    _rope_heads(k + t * k_st, k_sh, k_out + t * ko_st, ko_sh, kp_row_ptr, kp_sh, cos, sin, p_heads, k_scale,
-                HKV, BHKV, HALF, BLOCK_HALF, ROT, D, BLOCK_PASS, GPTJ, True, FP8, FP8_MAX)
-
-    vp_row_ptr = v_pool + page * vp_page + row * vp_row
-    d = tl.arange(0, BLOCK_D)[None, :]
-    for h0 in tl.static_range(0, HKV, BHV):
-        h = h0 + tl.arange(0, BHV)[:, None]
-        m = (h < p_heads) & (d < D)
-        x = tl.load(v + t * v_st + h * v_sh + d, mask=m)
-        tl.store(vp_row_ptr + h * vp_sh + d, _to_pool(x, v_pool, v_scale, FP8, FP8_MAX), mask=m)
+    # Pool rows. A skipped or out-of-range slot masks every head off; masks
+    # come from comparisons only (the interpreter mishandles a tensor mask
+    # ANDed with a scalar bool).
+    write = (slot >= 0) & (slot < pool_size)
+    p_heads = tl.where(write, HKV, 0)
+    slot = tl.where(write, slot, 0)
+    page = slot // PAGE_SIZE
+    row = slot % PAGE_SIZE
+    kp_row = k_pool + page * KP_PAGE + row * KP_ROW + hk * KP_SH
+    vp_row = v_pool + page * VP_PAGE + row * VP_ROW + hk * VP_SH
+    mkw = (hk < p_heads) & (i < HALF)
+    tl.store(kp_row + d1, _to_pool(k1r, k_pool, k_scale, FP8, FP8_MAX), mask=mkw)
+    tl.store(kp_row + d2, _to_pool(k2r, k_pool, k_scale, FP8, FP8_MAX), mask=mkw)
+    if BLOCK_PASS > 0:
+        tl.store(kp_row + j, _to_pool(k_pass, k_pool, k_scale, FP8, FP8_MAX), mask=(hk < p_heads) & (j < D))
+    tl.store(vp_row + dv, _to_pool(vals, v_pool, v_scale, FP8, FP8_MAX), mask=(hk < p_heads) & (dv < D))

@@ -1,13 +1,17 @@
 """Launcher of the fused Triton kernel, and its torch.library custom op.
 
-Eager calls launch the kernel directly (the dispatcher adds host latency);
-under torch.compile the call goes through ``torch.ops.ropepool.rope_pool``,
-which declares the pools and outputs as mutated and has a fake
-implementation, so ``fullgraph=True`` traces it and CUDA graphs capture it.
+Host cost matters as much as the kernel at decode sizes, so the launcher
+keeps a plan per layout (strides, head counts, spec, dtypes, alignment):
+the first call of a layout goes through Triton's JIT, which compiles and
+returns the kernel; later calls hand the arguments straight to the compiled
+kernel, skipping the JIT's per-argument specialisation. Under torch.compile
+the call goes through ``torch.ops.ropepool.rope_pool``, which declares the
+pools and outputs as mutated and has a fake implementation, so
+``fullgraph=True`` traces it and CUDA graphs capture it.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -15,71 +19,124 @@ import triton
 from ..layout import paged_view
 from ..validate import Call
 from .torch_eager import FP8_MAX, freq_table
-from .triton_kernel import rope_pool_kernel
+from .triton_kernel import _INTERPRET, rope_pool_kernel
 
-# Elements per head-block tile: keeps registers in check at 64 heads x D=256.
-_TILE = 2048
+_PLANS: dict = {}  # plan key -> (compiled kernel or None, constexpr values in signature order)
+
+
+class _Rotation(NamedTuple):
+    """What the kernel reads of a RopeSpec; the custom op rebuilds it from primitives."""
+
+    freqs: torch.Tensor
+    rotary_dim: int
+    style: str
+    attention_scaling: float
+    long_from: Optional[int]
 
 
 def _p2(n: int) -> int:
     return triton.next_power_of_2(n) if n > 0 else 0
 
 
-def _heads_per_block(heads: int, width: int) -> int:
-    return max(1, min(_p2(heads), _TILE // max(width, 1)))
+def _constexprs(call, strides):
+    spec = call.spec
+    c = dict(zip(("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "KO_ST", "KO_SH",
+                  "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH"), strides))
+    fp8 = call.k_scale is not None
+    c.update(PAGE_SIZE=call.page_size, HQ=call.num_qo_heads, HKV=call.num_kv_heads, D=call.head_dim,
+             ROT=spec.rotary_dim, GPTJ=spec.style == "gptj", BHQ=_p2(call.num_qo_heads),
+             BHKV=_p2(call.num_kv_heads), BLOCK_HALF=_p2(spec.rotary_dim // 2),
+             BLOCK_PASS=_p2(call.head_dim - spec.rotary_dim), BLOCK_D=_p2(call.head_dim),
+             LONGROPE=spec.long_from is not None, FP8=fp8, SCALE_PTR=fp8 and isinstance(call.k_scale, torch.Tensor))
+    return c
+
+
+def _row_elems(call) -> int:
+    """Elements of one token's q, k and v rows, as the kernel's tiles hold them."""
+    return (_p2(call.num_qo_heads) + 2 * _p2(call.num_kv_heads)) * _p2(call.head_dim)
+
+
+def _num_warps(call) -> int:
+    # Swept on the H200 (1-16 warps, 1-8 tokens a program; docs/benchmarks.md):
+    # two warps a token win everywhere but for small rows at large T, where
+    # one warp lets more programs sit on an SM.
+    return 1 if _row_elems(call) <= 2048 and call.num_tokens >= 16384 else 2
 
 
 def launch(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
-    spec = call.spec
-    T, D = call.num_tokens, call.head_dim
+    T = call.num_tokens
     if T == 0:
         return
-    freqs = freq_table(spec, q.device)
-    use_long = (positions.max() >= spec.long_from) if spec.long_from is not None else None
+    spec = call.spec
     kp, vp = paged_view(k_pool, call), paged_view(v_pool, call)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+               kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2))
+    freqs = spec.freqs if isinstance(spec, _Rotation) else freq_table(spec, q.device)
+    use_long = (positions.max() >= spec.long_from) if spec.long_from is not None else None
     fp8 = call.k_scale is not None
     scale_ptr = fp8 and isinstance(call.k_scale, torch.Tensor)
-    half_block = _p2(spec.rotary_dim // 2)
-    rope_pool_kernel[(T,)](
-        q, k, v, positions, slots, kp, vp, q_out, k_out, freqs, use_long,
-        call.k_scale if scale_ptr else None, call.v_scale if scale_ptr else None,
-        call.pool_size, call.page_size,
-        float(call.k_scale) if fp8 and not scale_ptr else 1.0,
-        float(call.v_scale) if fp8 and not scale_ptr else 1.0,
-        spec.attention_scaling,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2),
-        HQ=call.num_qo_heads, HKV=call.num_kv_heads, D=D, ROT=spec.rotary_dim, GPTJ=spec.style == "gptj",
-        BHQ=_heads_per_block(call.num_qo_heads, half_block),
-        BHKV=_heads_per_block(call.num_kv_heads, half_block),
-        BHV=_heads_per_block(call.num_kv_heads, _p2(D)),
-        BLOCK_HALF=half_block, BLOCK_PASS=_p2(D - spec.rotary_dim), BLOCK_D=_p2(D),
-        LONGROPE=use_long is not None, FP8=fp8, FP8_MAX=FP8_MAX.get(k_pool.dtype, 0.0), SCALE_PTR=scale_ptr,
-        num_warps=4,
-    )
+    args = (q, k, v, positions, slots, kp, vp, q_out, k_out, freqs, use_long,
+            call.k_scale if scale_ptr else None, call.v_scale if scale_ptr else None,
+            call.pool_size,
+            float(call.k_scale) if fp8 and not scale_ptr else 1.0,
+            float(call.v_scale) if fp8 and not scale_ptr else 1.0,
+            spec.attention_scaling)
+    ptrs = [a.data_ptr() for a in args[:13] if a is not None]
+    # What Triton specialises on besides the constexprs: 16-byte alignment
+    # of each pointer and the integers' width (their values are not specialised).
+    align = tuple(p % 16 == 0 for p in ptrs)
+    n = call.pool_size
+    warps = _num_warps(call)
+    key = (strides, warps, call.num_qo_heads, call.num_kv_heads, call.head_dim, call.page_size,
+           spec.rotary_dim, spec.style, spec.long_from is not None,
+           q.dtype, k_pool.dtype, positions.dtype, slots.dtype, fp8, scale_ptr, align,
+           n >= 2**31, q.device.index)
+    plan = _PLANS.get(key)
+    if plan is not None and plan[0] is not None:
+        # What JITFunction.run does once it has found the compiled kernel.
+        kernel, consts = plan
+        stream = torch._C._cuda_getCurrentRawStream(q.device.index)
+        hooks = triton.knobs.runtime
+        full = (*args, *consts)
+        kernel.run(T, 1, 1, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata((T,), stream, *full), hooks.launch_enter_hook, hooks.launch_exit_hook, *full)
+        return
+    c = _constexprs(call, strides)
+    c["FP8_MAX"] = FP8_MAX.get(k_pool.dtype, 0.0)
+    kernel = rope_pool_kernel[(T,)](*args, **c, num_warps=warps)
+    fast = not _INTERPRET and _fast_launch_ok(kernel)
+    # The launcher takes every argument in signature order, constexprs included.
+    _PLANS[key] = (kernel if fast else None, tuple(c[n] for n in rope_pool_kernel.arg_names[len(args):]))
 
 
-# The custom op carries the call as primitives; the spec travels by id.
-_SPECS: dict = {}
+def _fast_launch_ok(kernel) -> bool:
+    """The direct launch is written for Triton's launcher of 3.4 and later (triton.knobs)."""
+    return hasattr(triton, "knobs") and all(
+        hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
 
 
+# The custom op carries the call as primitives: the spec as its frequency
+# table and the few numbers the kernel reads (see _Rotation).
 @torch.library.custom_op("ropepool::rope_pool", mutates_args=("q_out", "k_out", "k_pool", "v_pool"))
 def rope_pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, q_out: torch.Tensor,
-                 k_out: torch.Tensor, spec_id: int, layer: int, kv_layout: str,
+                 k_out: torch.Tensor, freqs: torch.Tensor, rotary_dim: int, gptj: bool,
+                 attention_scaling: float, long_from: int, layer: int, kv_layout: str,
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> None:
-    launch(_call_from(q, k_pool, spec_id, layer, kv_layout, k_scale, v_scale),
+    rot = _Rotation(freqs, rotary_dim, "gptj" if gptj else "neox", attention_scaling,
+                    None if long_from < 0 else long_from)
+    launch(_call_from(q, k_pool, rot, layer, kv_layout, k_scale, v_scale),
            q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
 
 
 @rope_pool_op.register_fake
-def _(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, spec_id, layer, kv_layout, k_scale, v_scale):
+def _(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, rotary_dim, gptj, attention_scaling,
+      long_from, layer, kv_layout, k_scale, v_scale):
     return None
 
 
-def _call_from(q, k_pool, spec_id, layer, kv_layout, k_scale, v_scale) -> Call:
-    spec = _SPECS[spec_id]
+def _call_from(q, k_pool, rot, layer, kv_layout, k_scale, v_scale) -> Call:
     layer = None if layer < 0 else layer
     kv_layout = kv_layout or None
     shape = k_pool.shape[1:] if layer is not None else k_pool.shape
@@ -89,17 +146,18 @@ def _call_from(q, k_pool, spec_id, layer, kv_layout, k_scale, v_scale) -> Call:
         pages, page_size, heads = shape[0], shape[1], shape[2]
     else:
         pages, heads, page_size = shape[0], shape[1], shape[2]
-    return Call("torch", q.shape[0], q.shape[2], q.shape[1], heads, spec, layer, kv_layout,
+    return Call("torch", q.shape[0], q.shape[2], q.shape[1], heads, rot, layer, kv_layout,
                 page_size, pages * page_size, k_scale, v_scale)
 
 
 def run(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
+    q_out = q.new_empty(q.shape) if q_out is None else q_out
+    k_out = k.new_empty(k.shape) if k_out is None else k_out
     if torch.compiler.is_compiling():
-        spec_id = _SPECS.setdefault(id(call.spec), call.spec) and id(call.spec)
-        rope_pool_op(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, spec_id,
-                     -1 if call.layer is None else call.layer, call.kv_layout or "",
+        spec = call.spec
+        rope_pool_op(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freq_table(spec, q.device),
+                     spec.rotary_dim, spec.style == "gptj", spec.attention_scaling,
+                     -1 if spec.long_from is None else spec.long_from, -1 if call.layer is None else call.layer, call.kv_layout or "",
                      _as_tensor(call.k_scale, q), _as_tensor(call.v_scale, q))
     else:
         launch(call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
