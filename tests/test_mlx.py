@@ -27,6 +27,7 @@ from ropepool import RopeSpec, reference, validate  # noqa: E402
 from ropepool.backends import mlx as mlx_backend  # noqa: E402
 from ropepool.layout import page_and_row, paged_view  # noqa: E402
 from tests.util import TOL as _TORCH_TOL  # noqa: E402
+from tests.util import shape_params  # noqa: E402
 
 FLOATS = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TOL = {str(d).rsplit(".", 1)[-1]: tol for d, tol in _TORCH_TOL.items()}
@@ -176,18 +177,7 @@ def heads(q, k):
 
 # --- numerics ---------------------------------------------------------------------------------
 
-SHAPES = [
-    pytest.param(1, 1, 1, 64, id="T1-Hq1-Hkv1-D64"),
-    pytest.param(1, 32, 8, 128, id="T1-Hq32-Hkv8-D128"),
-    pytest.param(17, 32, 8, 128, id="T17-Hq32-Hkv8-D128"),
-    pytest.param(5, 4, 4, 80, id="T5-Hq4-Hkv4-D80"),
-    pytest.param(9, 8, 1, 256, id="T9-Hq8-Hkv1-D256-MQA"),
-    pytest.param(33, 6, 3, 64, id="T33-Hq6-Hkv3-D64"),
-    pytest.param(64, 4, 2, 80, id="T64-Hq4-Hkv2-D80"),
-    pytest.param(300, 12, 2, 80, id="T300-Hq12-Hkv2-D80"),
-    pytest.param(423, 16, 4, 128, id="T423-Hq16-Hkv4-D128"),
-    pytest.param(200, 7, 1, 64, id="T200-Hq7-Hkv1-D64-MQA"),
-]
+SHAPES = shape_params()
 
 
 @pytest.mark.parametrize("T,Hq,Hkv,D", SHAPES)

@@ -22,7 +22,7 @@ import torch
 import ropepool
 from ropepool import validate
 from ropepool.backends import torch_eager
-from tests.util import assert_close, assert_same_bits, heads, oracle, plant_poison, run_checked
+from tests.util import assert_close, assert_same_bits, heads, oracle, plant_poison, run_checked, shape_params
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOATS = [torch.float16, torch.bfloat16, torch.float32]
@@ -77,19 +77,7 @@ def pools_for(gen, P, Hkv, D, dtype, slots):
 
 # --- shapes -----------------------------------------------------------------------------------
 
-SHAPES = [
-    pytest.param(1, 1, 1, 64, id="T1-Hq1-Hkv1-D64"),
-    pytest.param(1, 32, 8, 128, id="T1-Hq32-Hkv8-D128"),
-    pytest.param(17, 32, 8, 128, id="T17-Hq32-Hkv8-D128"),
-    pytest.param(5, 4, 4, 80, id="T5-Hq4-Hkv4-D80"),
-    pytest.param(9, 8, 1, 256, id="T9-Hq8-Hkv1-D256-MQA"),
-    pytest.param(33, 6, 3, 64, id="T33-Hq6-Hkv3-D64"),
-    pytest.param(64, 4, 2, 80, id="T64-Hq4-Hkv2-D80"),
-    pytest.param(423, 16, 4, 128, id="T423-Hq16-Hkv4-D128", marks=TORCH_ONLY),
-    pytest.param(300, 12, 2, 80, id="T300-Hq12-Hkv2-D80", marks=TORCH_ONLY),
-    pytest.param(130, 8, 8, 256, id="T130-Hq8-Hkv8-D256", marks=TORCH_ONLY),
-    pytest.param(200, 7, 1, 64, id="T200-Hq7-Hkv1-D64-MQA", marks=TORCH_ONLY),
-]
+SHAPES = shape_params(big_marks=TORCH_ONLY)
 
 
 @pytest.mark.parametrize("T,Hq,Hkv,D", SHAPES)

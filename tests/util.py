@@ -128,3 +128,19 @@ def heads(q, k):
     return dict(head_dim=q.shape[2], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1])
 
 
+
+
+# (T, Hq, Hkv, D): the named shapes every backend's numeric tests run. The
+# last four are too big for the Triton interpreter (CI's CPU run).
+_SHAPES = [(1, 1, 1, 64), (1, 32, 8, 128), (17, 32, 8, 128), (5, 4, 4, 80), (9, 8, 1, 256), (33, 6, 3, 64),
+           (64, 4, 2, 80), (423, 16, 4, 128), (300, 12, 2, 80), (130, 8, 8, 256), (200, 7, 1, 64)]
+
+
+def shape_params(big_marks=()):
+    import pytest
+
+    out = []
+    for i, (T, Hq, Hkv, D) in enumerate(_SHAPES):
+        name = f"T{T}-Hq{Hq}-Hkv{Hkv}-D{D}" + ("-MQA" if Hkv == 1 else "")
+        out.append(pytest.param(T, Hq, Hkv, D, id=name, marks=big_marks if i >= 7 else ()))
+    return out
