@@ -47,7 +47,8 @@ def _constexprs(call, strides):
              ROT=spec.rotary_dim, GPTJ=spec.style == "gptj", BHQ=_p2(call.num_qo_heads),
              BHKV=_p2(call.num_kv_heads), BLOCK_HALF=_p2(spec.rotary_dim // 2),
              BLOCK_PASS=_p2(call.head_dim - spec.rotary_dim), BLOCK_D=_p2(call.head_dim),
-             LONGROPE=spec.long_from is not None, FP8=fp8, SCALE_PTR=fp8 and isinstance(call.k_scale, torch.Tensor))
+             LONGROPE=spec.long_from is not None, FP8=fp8,
+             SCALE_PTR=fp8 and (isinstance(call.k_scale, torch.Tensor) or isinstance(call.v_scale, torch.Tensor)))
     return c
 
 
@@ -75,9 +76,12 @@ def launch(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
     freqs = spec.freqs if isinstance(spec, _Rotation) else freq_table(spec, q.device)
     use_long = (positions.max() >= spec.long_from) if spec.long_from is not None else None
     fp8 = call.k_scale is not None
-    scale_ptr = fp8 and isinstance(call.k_scale, torch.Tensor)
+    k_scale, v_scale = call.k_scale, call.v_scale
+    scale_ptr = fp8 and (isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor))
+    if scale_ptr:  # one tensor scale makes both pointers (a float beside it becomes a tensor)
+        k_scale, v_scale = _as_tensor(k_scale, q), _as_tensor(v_scale, q)
     args = (q, k, v, positions, slots, kp, vp, q_out, k_out, freqs, use_long,
-            call.k_scale if scale_ptr else None, call.v_scale if scale_ptr else None,
+            k_scale if scale_ptr else None, v_scale if scale_ptr else None,
             call.pool_size,
             float(call.k_scale) if fp8 and not scale_ptr else 1.0,
             float(call.v_scale) if fp8 and not scale_ptr else 1.0,
