@@ -358,6 +358,12 @@ def _check_scales(dt, k_pool, k_scale, v_scale, q):
                 if dtype_name(s) != "float32":
                     raise RopePoolError(f"{name} as a tensor must be float32; got {dtype_name(s)}. "
                                         f"Fix: {name}.float().")
+                # On the CPU the value costs no device sync: check it like a float's.
+                if framework_of(s) == "torch" and s.device.type == "cpu" and not _tracing():
+                    val = float(s.reshape(()))
+                    if not 0 < val < float("inf"):
+                        raise RopePoolError(f"{name} must be a finite float > 0; got a tensor holding {val!r}. "
+                                            "Fix: pass the cache's scale.")
             else:
                 raise TypeError(f"{name} must be a float or a one-element float32 tensor; got "
                                 f"{type(s).__name__}. Fix: pass float(scale) or a tensor of shape [1].")
