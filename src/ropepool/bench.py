@@ -265,7 +265,8 @@ def check(fn, s, ref, kp, vp, Hkv, D, layout):
 
 
 def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rotate_bytes=256 << 20,
-        graph_max=4096, eager_max=256, layouts=("flat",), log=print):
+        graph_max=4096, eager_max=256, layouts=("flat",), log=print, save=None):
+    """Measure; ``save(rows)`` is called after every token count, so a run cut short keeps its rows."""
     gen = torch.Generator().manual_seed(0)
     clock = Clock(device)
     rows = []
@@ -313,6 +314,8 @@ def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rota
                                         eager_us / us if eager_us else None))
                 del sets, bufs
                 log(f"  {gname} {layout} T={T}: done")
+                if save:
+                    save(rows)
             del kp, vp
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -363,10 +366,12 @@ def main(argv=None):
     pool = a.pool_size or (262144 if cuda else 16384)
     layouts = a.layouts.split(",")
     env = environment(device)
-    rows = run(a.geometries.split(","), tokens, device, pool_size=pool, layouts=layouts,
+    def save(rows):
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+    rows = run(a.geometries.split(","), tokens, device, pool_size=pool, layouts=layouts, save=save,
                rotate_bytes=(256 << 20) if cuda else (8 << 20))
     print_table(rows, env)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
