@@ -108,7 +108,8 @@ def run_case(name, dtype, device, backend=None, T=48, seed=0):
     ref = oracle(q, k, v, positions, slots, pool, pool, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope=spec)
 
     def rel(a, b):
-        a, b = a.double().cpu().numpy(), np.asarray(b, dtype=np.float64)
+        a = a.double().cpu().numpy()
+        b = b.double().cpu().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
         return float((np.abs(a - b) / np.maximum(1.0, np.abs(b))).max())
 
     return dict(case=name, rope_type=spec.rope_type, style=spec.style, rotary_dim=spec.rotary_dim,

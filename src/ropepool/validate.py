@@ -70,6 +70,8 @@ def _framework_of_type(t) -> str | None:
 
 def dtype_name(x) -> str:
     dt = x.dtype
+    if _tracing():  # torch 2.11's dynamo cannot look a dtype up in a dict that holds NumPy dtypes
+        return str(dt).rsplit(".", 1)[-1]
     name = _DTYPE_NAMES.get(dt)
     if name is None:
         name = _DTYPE_NAMES[dt] = str(dt).rsplit(".", 1)[-1]
