@@ -6,7 +6,6 @@ sanitizer must report no invalid access; the canaries must be intact.
 """
 import torch
 
-import ropepool
 from ropepool.backends import triton_op
 from ropepool.validate import check
 

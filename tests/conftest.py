@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -7,6 +8,22 @@ import torch
 # kernel fails CI too. Must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request):
+    """The torch path, and the Triton kernel (on CUDA, or under the interpreter on CPU)."""
+    if request.param == "triton":
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton is not installed")
+        if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("no GPU, and TRITON_INTERPRET is not 1")
+        if DEVICE == "cpu" and request.node.get_closest_marker("torch_only"):
+            pytest.skip("too big for the Triton CPU interpreter (runs on CUDA)")
+    return request.param
 
 
 def pytest_configure(config):

@@ -38,8 +38,6 @@ by rounding up are not compared for the triton backend (about 7% of them).
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -57,16 +55,6 @@ FP8S = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 T, HQ, HKV, D = 12, 4, 2, 32
 NUM_LAYERS, LAYER = 3, 1  # the middle layer: both neighbours are canaries
-
-
-@pytest.fixture(params=[pytest.param("torch", id="torch"), pytest.param("triton", id="triton")])
-def backend(request):
-    if request.param == "triton":
-        if importlib.util.find_spec("triton") is None:
-            pytest.skip("triton is not installed")
-        if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("no GPU, and TRITON_INTERPRET is not 1")
-    return request.param
 
 
 # --- layouts and the slot formula -------------------------------------------------------------

@@ -12,8 +12,6 @@ other byte of the memory the pools live in, and q, k, v after the call.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import numpy as np
 import pytest
@@ -27,18 +25,6 @@ from tests.util import assert_close, assert_same_bits, heads, oracle, plant_pois
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOATS = [torch.float16, torch.bfloat16, torch.float32]
 TORCH_ONLY = pytest.mark.torch_only
-
-
-@pytest.fixture(params=["torch", "triton"])
-def backend(request):
-    if request.param == "triton":
-        if importlib.util.find_spec("triton") is None:
-            pytest.skip("triton is not installed")
-        if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("no GPU, and TRITON_INTERPRET is not 1")
-        if DEVICE == "cpu" and request.node.get_closest_marker("torch_only"):
-            pytest.skip("too big for the Triton CPU interpreter (runs on CUDA)")
-    return request.param
 
 
 @pytest.fixture(params=FLOATS, ids=lambda d: str(d).rsplit(".", 1)[-1])

@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass
 

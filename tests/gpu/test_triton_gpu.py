@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import ropepool
-from tests.util import TOL, assert_close, oracle, to_numpy
+from tests.util import assert_close, oracle, to_numpy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
