@@ -38,17 +38,15 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(n) if n > 0 else 0
 
 
-def _constexprs(call, strides):
+def _constexprs(call, strides, scale_ptr):
     spec = call.spec
     c = dict(zip(("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "KO_ST", "KO_SH",
                   "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH"), strides))
-    fp8 = call.k_scale is not None
     c.update(PAGE_SIZE=call.page_size, HQ=call.num_qo_heads, HKV=call.num_kv_heads, D=call.head_dim,
              ROT=spec.rotary_dim, GPTJ=spec.style == "gptj", BHQ=_p2(call.num_qo_heads),
              BHKV=_p2(call.num_kv_heads), BLOCK_HALF=_p2(spec.rotary_dim // 2),
              BLOCK_PASS=_p2(call.head_dim - spec.rotary_dim), BLOCK_D=_p2(call.head_dim),
-             LONGROPE=spec.long_from is not None, FP8=fp8,
-             SCALE_PTR=fp8 and (isinstance(call.k_scale, torch.Tensor) or isinstance(call.v_scale, torch.Tensor)))
+             LONGROPE=spec.long_from is not None, FP8=call.k_scale is not None, SCALE_PTR=scale_ptr)
     return c
 
 
@@ -106,12 +104,12 @@ def launch(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
         kernel.run(T, 1, 1, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata((T,), stream, *full), hooks.launch_enter_hook, hooks.launch_exit_hook, *full)
         return
-    c = _constexprs(call, strides)
+    c = _constexprs(call, strides, scale_ptr)
     c["FP8_MAX"] = FP8_MAX.get(k_pool.dtype, 0.0)
     kernel = rope_pool_kernel[(T,)](*args, **c, num_warps=warps)
     fast = not _INTERPRET and _fast_launch_ok(kernel)
     # The launcher takes every argument in signature order, constexprs included.
-    _PLANS[key] = (kernel if fast else None, tuple(c[n] for n in rope_pool_kernel.arg_names[len(args):]))
+    _PLANS[key] = (kernel if fast else None, tuple(c[name] for name in rope_pool_kernel.arg_names[len(args):]))
 
 
 def _fast_launch_ok(kernel) -> bool:
