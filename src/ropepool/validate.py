@@ -8,7 +8,7 @@ fix. docs/errors.md lists each one; tests/test_errors.py keeps the two in step.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .errors import RopePoolError
@@ -38,6 +38,9 @@ class Call:
     pool_size: int  # slots: num_pages * page_size
     k_scale: object  # None, a float, or a one-element tensor (fp8 pools)
     v_scale: object
+    # Backends' state for this layout: a Call from check's cache stands for
+    # every call with the same signature (see _CHECKED).
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 # Looked up per call on the hot path, so both are cached by type / dtype.
@@ -93,26 +96,19 @@ _CHECKED: dict = {}
 
 
 def _signature(arrays, scalars):
-    """Everything ``check`` reads of a torch call, or None to check in full."""
+    """Everything ``check`` reads of a torch call (a hashable tuple), or None to check in full."""
     if type(arrays[0]).__module__ != "torch" or _tracing():
         return None
-    # With each scalar's type: True == 1 and 1 == 1.0 as keys, but layer=True
-    # and k_scale=True must still be rejected after a call with 1 passed.
-    scalars = tuple((type(s), s) for s in scalars)
     try:
-        hash(scalars)
-    except TypeError:  # e.g. rope={...}: check in full, which says what is wrong
+        return (
+            # With each scalar's type: True == 1 and 1 == 1.0 as keys, but
+            # layer=True and k_scale=True must still be rejected after a call with 1.
+            tuple([(type(s), s) for s in scalars]),
+            tuple([None if x is None else (type(x), x.shape, x.stride(), x.dtype, x.device) for x in arrays]),
+            arrays[5].data_ptr() == arrays[6].data_ptr(),
+        )
+    except (AttributeError, TypeError):  # not a tensor: check in full, which says what is wrong
         return None
-    sig = [scalars, arrays[0].device]
-    for x in arrays:
-        if x is None:
-            sig.append(None)
-        elif type(x).__module__ == "torch" and x.__class__.__name__ in ("Tensor", "Parameter"):
-            sig += (type(x), x.shape, x.stride(), x.dtype, x.get_device(), x.is_cpu)
-        else:
-            return None
-    sig.append(arrays[5].data_ptr() == arrays[6].data_ptr())
-    return tuple(sig)
 
 
 def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
@@ -120,9 +116,13 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
           q_out=None, k_out=None, frameworks=("torch", "mlx")) -> Call:
     sig = None
     if "torch" in frameworks and not hasattr(k_scale, "shape") and not hasattr(v_scale, "shape"):
-        sig = _signature((q, k, v, positions, slots, k_pool, v_pool, q_out, k_out),
-                         (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout))
-        call = _CHECKED.get(sig) if sig is not None else None
+        arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+        sig = _signature(arrays, (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale,
+                                  v_scale, kv_layout))
+        try:
+            call = _CHECKED.get(sig) if sig is not None else None
+        except TypeError:  # an unhashable argument, e.g. rope={...}
+            sig = call = None
         if call is not None:
             if positions.is_cpu:
                 check_values(positions, slots, call.pool_size)
@@ -130,11 +130,19 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
     call = _check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim, num_qo_heads=num_qo_heads,
                   num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope, layer=layer, k_scale=k_scale,
                   v_scale=v_scale, kv_layout=kv_layout, q_out=q_out, k_out=k_out, frameworks=frameworks)
-    if sig is not None:
+    # Only plain tensors are cached: a subclass may change what _check sees.
+    if sig is not None and all(x is None or type(x) in _plain_tensors() for x in arrays):
         if len(_CHECKED) > 4096:
             _CHECKED.clear()
         _CHECKED[sig] = call
     return call
+
+
+@lru_cache(maxsize=1)
+def _plain_tensors():
+    import torch
+
+    return (torch.Tensor, torch.nn.Parameter)
 
 
 def _check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,

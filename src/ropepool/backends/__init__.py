@@ -57,7 +57,19 @@ BACKENDS = (
 _BY_NAME = {b.name: b for b in BACKENDS}
 
 
+# The choice depends only on these, and a decode step asks on every call.
+_PICKED: dict = {}
+
+
 def pick(framework: str, q, name: str | None = None) -> Backend:
+    key = (framework, getattr(getattr(q, "device", None), "type", None), name)
+    b = _PICKED.get(key)
+    if b is None:
+        b = _PICKED[key] = _pick(framework, q, name)
+    return b
+
+
+def _pick(framework: str, q, name: str | None) -> Backend:
     if name is not None:
         b = _BY_NAME.get(name)
         if b is None:

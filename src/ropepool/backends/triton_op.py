@@ -21,7 +21,7 @@ from ..validate import Call
 from .torch_eager import FP8_MAX, freq_table
 from .triton_kernel import _INTERPRET, rope_pool_kernel
 
-_PLANS: dict = {}  # plan key -> (compiled kernel or None, constexpr values in signature order)
+_PLANS: dict = {}  # (layout key, alignment) -> compiled kernel
 
 
 class _Rotation(NamedTuple):
@@ -34,82 +34,115 @@ class _Rotation(NamedTuple):
     long_from: Optional[int]
 
 
+class _Layout(NamedTuple):
+    """What a checked call fixes for the launcher, worked out once per Call.
+
+    validate caches one Call per signature (every shape, stride, dtype and
+    device of the arguments), so a Call from its cache stands for one layout
+    and the launcher keeps this in ``call.cache``; only the data pointers
+    (and their alignment) change from call to call.
+    """
+
+    key: tuple  # with the pointers' alignment: what the compiled kernel depends on
+    grid: tuple
+    warps: int
+    device: int
+    k_off: int  # bytes from the pool tensor to the layer written
+    v_off: int
+    freqs: torch.Tensor
+    scalars: tuple  # pool_size, k_scale, v_scale, attention_scaling
+    constexprs: dict  # in the kernel's signature order
+    tail: tuple  # scalars and constexpr values: the launcher's arguments after the pointers
+    longrope: bool
+    scale_ptr: bool
+    kernels: dict  # alignment key -> compiled kernel
+
+
 def _p2(n: int) -> int:
     return triton.next_power_of_2(n) if n > 0 else 0
 
 
-def _constexprs(call, strides, scale_ptr):
-    spec = call.spec
-    c = dict(zip(("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "KO_ST", "KO_SH",
-                  "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH"), strides))
-    c.update(PAGE_SIZE=call.page_size, HQ=call.num_qo_heads, HKV=call.num_kv_heads, D=call.head_dim,
-             ROT=spec.rotary_dim, GPTJ=spec.style == "gptj", BHQ=_p2(call.num_qo_heads),
-             BHKV=_p2(call.num_kv_heads), BLOCK_HALF=_p2(spec.rotary_dim // 2),
-             BLOCK_PASS=_p2(call.head_dim - spec.rotary_dim), BLOCK_D=_p2(call.head_dim),
-             LONGROPE=spec.long_from is not None, FP8=call.k_scale is not None, SCALE_PTR=scale_ptr)
-    return c
-
-
-def _row_elems(call) -> int:
-    """Elements of one token's q, k and v rows, as the kernel's tiles hold them."""
-    return (_p2(call.num_qo_heads) + 2 * _p2(call.num_kv_heads)) * _p2(call.head_dim)
+def _split(call) -> int:
+    """Programs a token's heads are split over: enough programs to fill the GPU at small T."""
+    return 1
 
 
 def _num_warps(call) -> int:
     # Swept on the H200 (1-16 warps, 1-8 tokens a program; docs/benchmarks.md):
     # two warps a token win everywhere but for small rows at large T, where
     # one warp lets more programs sit on an SM.
-    return 1 if _row_elems(call) <= 2048 and call.num_tokens >= 16384 else 2
+    row = (_p2(call.num_qo_heads) + 2 * _p2(call.num_kv_heads)) * _p2(call.head_dim)
+    return 1 if row <= 2048 and call.num_tokens >= 16384 else 2
 
 
-def launch(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
-    T = call.num_tokens
-    if T == 0:
-        return
+def _layout(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out) -> _Layout:
     spec = call.spec
     kp, vp = paged_view(k_pool, call), paged_view(v_pool, call)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
                kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2))
-    freqs = spec.freqs if isinstance(spec, _Rotation) else freq_table(spec, q.device)
-    use_long = (positions.max() >= spec.long_from) if spec.long_from is not None else None
     fp8 = call.k_scale is not None
-    k_scale, v_scale = call.k_scale, call.v_scale
-    scale_ptr = fp8 and (isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor))
-    if scale_ptr:  # one tensor scale makes both pointers (a float beside it becomes a tensor)
-        k_scale, v_scale = _as_tensor(k_scale, q), _as_tensor(v_scale, q)
-    args = (q, k, v, positions, slots, kp, vp, q_out, k_out, freqs, use_long,
-            k_scale if scale_ptr else None, v_scale if scale_ptr else None,
-            call.pool_size,
-            float(call.k_scale) if fp8 and not scale_ptr else 1.0,
-            float(call.v_scale) if fp8 and not scale_ptr else 1.0,
-            spec.attention_scaling)
-    ptrs = [a.data_ptr() for a in args[:13] if a is not None]
-    # What Triton specialises on besides the constexprs: 16-byte alignment
-    # of each pointer and the integers' width (their values are not specialised).
-    align = tuple(p % 16 == 0 for p in ptrs)
-    n = call.pool_size
+    # One tensor scale makes both pointers (a float beside it becomes a tensor).
+    scale_ptr = fp8 and (isinstance(call.k_scale, torch.Tensor) or isinstance(call.v_scale, torch.Tensor))
+    split = _split(call)
+    hq, hkv = call.num_qo_heads // split, call.num_kv_heads // split
+    c = dict(zip(("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "KO_ST", "KO_SH",
+                  "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH"), strides))
+    c.update(PAGE_SIZE=call.page_size, HQ=hq, HKV=hkv, D=call.head_dim, ROT=spec.rotary_dim,
+             GPTJ=spec.style == "gptj", BHQ=_p2(hq), BHKV=_p2(hkv), BLOCK_HALF=_p2(spec.rotary_dim // 2),
+             BLOCK_PASS=_p2(call.head_dim - spec.rotary_dim), BLOCK_D=_p2(call.head_dim),
+             LONGROPE=spec.long_from is not None, FP8=fp8, FP8_MAX=FP8_MAX.get(k_pool.dtype, 0.0),
+             SCALE_PTR=scale_ptr)
+    c = {name: c[name] for name in rope_pool_kernel.arg_names if name in c}  # the launcher's order
     warps = _num_warps(call)
-    key = (strides, warps, call.num_qo_heads, call.num_kv_heads, call.head_dim, call.page_size,
-           spec.rotary_dim, spec.style, spec.long_from is not None,
-           q.dtype, k_pool.dtype, positions.dtype, slots.dtype, fp8, scale_ptr, align,
-           n >= 2**31, q.device.index)
-    plan = _PLANS.get(key)
-    if plan is not None and plan[0] is not None:
-        # What JITFunction.run does once it has found the compiled kernel.
-        kernel, consts = plan
-        stream = torch._C._cuda_getCurrentRawStream(q.device.index)
-        hooks = triton.knobs.runtime
-        full = (*args, *consts)
-        kernel.run(T, 1, 1, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata((T,), stream, *full), hooks.launch_enter_hook, hooks.launch_exit_hook, *full)
+    # Besides the constexprs Triton specialises on the pointers' alignment
+    # (part of the key per call) and on whether pool_size needs 64 bits.
+    key = (tuple(c.values()), warps, q.dtype, q_out.dtype, k_pool.dtype, positions.dtype, slots.dtype,
+           call.pool_size >= 2**31, q.device.index)
+    freqs = spec.freqs if isinstance(spec, _Rotation) else freq_table(spec, q.device)
+    scalars = (call.pool_size, float(call.k_scale) if fp8 and not scale_ptr else 1.0,
+               float(call.v_scale) if fp8 and not scale_ptr else 1.0, spec.attention_scaling)
+    return _Layout(key, (call.num_tokens, split, 1), warps, q.device.index, kp.data_ptr() - k_pool.data_ptr(),
+                   vp.data_ptr() - v_pool.data_ptr(), freqs, scalars, c, (*scalars, *c.values()), c["LONGROPE"], scale_ptr, {})
+
+
+def launch(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
+    if call.num_tokens == 0:
         return
-    c = _constexprs(call, strides, scale_ptr)
-    c["FP8_MAX"] = FP8_MAX.get(k_pool.dtype, 0.0)
-    kernel = rope_pool_kernel[(T,)](*args, **c, num_warps=warps)
-    fast = not _INTERPRET and _fast_launch_ok(kernel)
-    # The launcher takes every argument in signature order, constexprs included.
-    _PLANS[key] = (kernel if fast else None, tuple(c[name] for name in rope_pool_kernel.arg_names[len(args):]))
+    lay = call.cache.get("triton")
+    if lay is None:
+        lay = call.cache["triton"] = _layout(call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+    use_long = (positions.max() >= call.spec.long_from) if lay.longrope else None
+    k_scale = _as_tensor(call.k_scale, q) if lay.scale_ptr else None
+    v_scale = _as_tensor(call.v_scale, q) if lay.scale_ptr else None
+    # Pointers as ints: Triton's launcher then takes them as they are, with
+    # no data_ptr() call and no driver query per pointer.
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            k_pool.data_ptr() + lay.k_off, v_pool.data_ptr() + lay.v_off, q_out.data_ptr(), k_out.data_ptr(),
+            lay.freqs.data_ptr(), None if use_long is None else use_long.data_ptr(),
+            None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr())
+    bits = 0
+    for p in ptrs:
+        bits |= p or 0
+    align = True if bits % 16 == 0 else tuple(p is None or p % 16 == 0 for p in ptrs)
+    kernel = lay.kernels.get(align)
+    if kernel is None:
+        kernel = lay.kernels[align] = _PLANS.get((lay.key, align))
+    if kernel is not None:
+        # What JITFunction.run does once it has found the compiled kernel.
+        stream = torch._C._cuda_getCurrentRawStream(lay.device)
+        hooks = triton.knobs.runtime
+        args = (*ptrs, *lay.tail)
+        meta = kernel.launch_metadata(lay.grid, stream, *args) if hooks.launch_enter_hook else None
+        kernel.run(*lay.grid, stream, kernel.function, kernel.packed_metadata, meta,
+                   hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+        return
+    # First call of this layout (or the interpreter): through the JIT, with tensors.
+    kernel = rope_pool_kernel[lay.grid](
+        q, k, v, positions, slots, paged_view(k_pool, call), paged_view(v_pool, call), q_out, k_out,
+        lay.freqs, use_long, k_scale, v_scale, *lay.scalars, **lay.constexprs, num_warps=lay.warps)
+    if not _INTERPRET and _fast_launch_ok(kernel):
+        _PLANS[(lay.key, align)] = lay.kernels[align] = kernel
 
 
 def _fast_launch_ok(kernel) -> bool:
