@@ -188,6 +188,21 @@ def _gptj_apply(module, q, k, position_ids):
     return out[0], out[1], cos
 
 
+class _GPTJTable(torch.nn.Module):
+    """GPT-J's rotary table as transformers builds it (``create_sinusoidal_positions``), for
+    releases that keep it inside the attention layer (no GPTJRotaryEmbedding before ~5.2x)."""
+
+    def __init__(self, config):
+        super().__init__()
+        table = modeling_gptj.create_sinusoidal_positions(config.max_position_embeddings,
+                                                          config.rotary_dim or config.hidden_size)
+        self.register_buffer("embed_positions", table, persistent=False)
+
+    def forward(self, x, position_ids):
+        sincos = self.embed_positions[position_ids].to(x.dtype)
+        return torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+
+
 FAMILIES = {
     "llama": Family(modeling_llama.LlamaRotaryEmbedding, _neox_apply(modeling_llama)),
     "qwen2": Family(modeling_qwen2.Qwen2RotaryEmbedding, _neox_apply(modeling_qwen2)),
@@ -195,7 +210,7 @@ FAMILIES = {
     "phi3": Family(modeling_phi3.Phi3RotaryEmbedding, _neox_apply(modeling_phi3)),
     "gpt_neox": Family(modeling_gpt_neox.GPTNeoXRotaryEmbedding, _neox_apply(modeling_gpt_neox)),
     "phi": Family(modeling_phi.PhiRotaryEmbedding, _neox_apply(modeling_phi, partial_in_attention=True)),
-    "gptj": Family(modeling_gptj.GPTJRotaryEmbedding, _gptj_apply),
+    "gptj": Family(getattr(modeling_gptj, "GPTJRotaryEmbedding", _GPTJTable), _gptj_apply),
 }
 
 

@@ -2,8 +2,9 @@
 
 For each geometry and token count it checks every provider against the
 float64 oracle, then times it: CUDA-graph replay (``graph``) for small and
-mid sizes, back-to-back eager calls from Python (``eager``), and plain
-event-timed calls for large sizes. Inputs rotate over enough sets that they
+mid sizes (to T = 16384, where small rows are still host-bound in eager
+calls), back-to-back eager calls from Python (``eager``) for small and large
+sizes. Inputs rotate over enough sets that they
 do not sit in L2. Bandwidth is the op's own byte count over the median time;
 ``%copy`` compares it with a device-to-device copy of the same bytes timed in
 the same run. ``benchmarks/bench.py`` runs it; ``ropepool bench`` too.
@@ -264,7 +265,7 @@ def check(fn, s, ref, kp, vp, Hkv, D, layout):
 
 
 def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rotate_bytes=256 << 20,
-        graph_max=4096, eager_max=256, layouts=("flat",), log=print, save=None):
+        graph_max=16384, eager_max=256, layouts=("flat",), log=print, save=None):
     """Measure; ``save(rows)`` is called after every token count, so a run cut short keeps its rows."""
     gen = torch.Generator().manual_seed(0)
     clock = Clock(device)
@@ -296,7 +297,7 @@ def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rota
                 modes = []
                 if device.type == "cuda" and T <= graph_max:
                     modes.append("graph")
-                if T <= eager_max or device.type != "cuda" or T > graph_max:
+                if T <= eager_max or device.type != "cuda" or T > 4096:
                     modes.append("eager")
                 for mode in modes:
                     res = {}

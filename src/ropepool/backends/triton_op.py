@@ -63,8 +63,17 @@ def _p2(n: int) -> int:
 
 
 def _split(call) -> int:
-    """Programs a token's heads are split over: enough programs to fill the GPU at small T."""
-    return 1
+    """Programs a token's heads are split over.
+
+    At T <= 64 one program per token leaves most SMs idle and each program
+    waits on a long row; splitting the heads over up to 8 programs took the
+    H200's graph-replay time from 2.58 to 2.39-2.44 us (32/8, T = 16) and
+    2.86 to 2.43 (64/8, T = 16). From T = 256 on it no longer helps
+    (docs/benchmarks.md). The split must divide both head counts.
+    """
+    if call.num_tokens > 64:
+        return 1
+    return next(s for s in (8, 4, 2, 1) if call.num_kv_heads % s == 0 and call.num_qo_heads % s == 0)
 
 
 def _num_warps(call) -> int:
