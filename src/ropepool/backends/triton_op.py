@@ -1,10 +1,11 @@
 """Launcher of the fused Triton kernel, and its torch.library custom op.
 
 Host cost matters as much as the kernel at decode sizes, so the launcher
-keeps a plan per layout (strides, head counts, spec, dtypes, alignment):
-the first call of a layout goes through Triton's JIT, which compiles and
-returns the kernel; later calls hand the arguments straight to the compiled
-kernel, skipping the JIT's per-argument specialisation. Under torch.compile
+works out a layout once per checked Call (strides, constexprs, frequency
+table; see _Layout): the first call of a layout goes through Triton's JIT,
+which compiles and returns the kernel; later calls hand the data pointers,
+as ints, straight to the compiled kernel, skipping the JIT's per-argument
+specialisation. Under torch.compile
 the call goes through ``torch.ops.ropepool.rope_pool``, which declares the
 pools and outputs as mutated and has a fake implementation, so
 ``fullgraph=True`` traces it and CUDA graphs capture it.
