@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 import ropepool
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -4,10 +4,10 @@ For each geometry and token count it checks every provider against the
 float64 oracle, then times it: CUDA-graph replay (``graph``) for small and
 mid sizes (to T = 16384, where small rows are still host-bound in eager
 calls), back-to-back eager calls from Python (``eager``) for small and large
-sizes. Inputs rotate over enough sets that they
-do not sit in L2. Bandwidth is the op's own byte count over the median time;
-``%copy`` compares it with a device-to-device copy of the same bytes timed in
-the same run. ``benchmarks/bench.py`` runs it; ``ropepool bench`` too.
+sizes. Inputs rotate over enough sets that they do not sit in L2.
+Bandwidth is the op's own byte count over the median time; ``%copy``
+compares it with a device-to-device copy of the same bytes timed in the
+same run. ``benchmarks/bench.py`` runs it; ``ropepool bench`` too.
 """
 from __future__ import annotations
 
@@ -265,8 +265,12 @@ def check(fn, s, ref, kp, vp, Hkv, D, layout):
 
 
 def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rotate_bytes=256 << 20,
-        graph_max=16384, eager_max=256, layouts=("flat",), log=print, save=None):
-    """Measure; ``save(rows)`` is called after every token count, so a run cut short keeps its rows."""
+        graph_max=16384, eager_max=256, eager_above=4096, layouts=("flat",), log=print, save=None):
+    """Measure; ``save(rows)`` is called after every token count, so a run cut short keeps its rows.
+
+    Eager calls are timed up to ``eager_max`` tokens (the host cost of a call)
+    and above ``eager_above`` (where the GPU time outweighs it); graph replay
+    up to ``graph_max``."""
     gen = torch.Generator().manual_seed(0)
     clock = Clock(device)
     rows = []
@@ -297,7 +301,7 @@ def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rota
                 modes = []
                 if device.type == "cuda" and T <= graph_max:
                     modes.append("graph")
-                if T <= eager_max or device.type != "cuda" or T > 4096:
+                if T <= eager_max or device.type != "cuda" or T > eager_above:
                     modes.append("eager")
                 for mode in modes:
                     res = {}

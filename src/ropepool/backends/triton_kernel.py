@@ -1,8 +1,9 @@
 """The fused kernel: RoPE on q and k, k_rot and v into the pool, one launch.
 
 One program per token, or per part of a token's heads when a call has too
-few tokens to fill the GPU (grid axis 1 splits the heads). Every load is issued before the first use, so a
-program waits for memory once, not once per tensor (that is what keeps a
+few tokens to fill the GPU (grid axis 1 splits the heads). Every load is
+issued before the first use, so a program waits for memory once, not once
+per tensor (that is what keeps a
 decode-sized call near the launch floor). cos/sin are computed once per
 (token, frequency) with libdevice's accurate sin/cos (tl.sin/tl.cos lower to
 approximations on CUDA that lose digits at large angles) and reused for
@@ -52,6 +53,8 @@ def rope_pool_kernel(
     HALF: tl.constexpr = ROT // 2
     hq = tl.arange(0, BHQ)[:, None]
     hk = tl.arange(0, BHKV)[:, None]
+    q_head = g * HQ + hq  # the heads in memory
+    kv_head = g * HKV + hk
     i = tl.arange(0, BLOCK_HALF)[None, :]
     if GPTJ:
         d1 = 2 * i
@@ -69,15 +72,15 @@ def rope_pool_kernel(
         inv_freq = tl.load(freqs + i + tl.load(use_long).to(tl.int32) * HALF, mask=i < HALF, other=0.0)
     else:
         inv_freq = tl.load(freqs + i, mask=i < HALF, other=0.0)
-    q_row = q + t * Q_ST + (g * HQ + hq) * Q_SH
-    k_row = k + t * K_ST + (g * HKV + hk) * K_SH
+    q_row = q + t * Q_ST + q_head * Q_SH
+    k_row = k + t * K_ST + kv_head * K_SH
     q1 = tl.load(q_row + d1, mask=mq).to(tl.float32)
     q2 = tl.load(q_row + d2, mask=mq).to(tl.float32)
     k1 = tl.load(k_row + d1, mask=mk).to(tl.float32)
     k2 = tl.load(k_row + d2, mask=mk).to(tl.float32)
     dv = tl.arange(0, BLOCK_D)[None, :]
     mv = (hk < HKV) & (dv < D)
-    vals = tl.load(v + t * V_ST + (g * HKV + hk) * V_SH + dv, mask=mv)
+    vals = tl.load(v + t * V_ST + kv_head * V_SH + dv, mask=mv)
     if BLOCK_PASS > 0:
         j = ROT + tl.arange(0, BLOCK_PASS)[None, :]
         mqp = (hq < HQ) & (j < D)
@@ -96,12 +99,12 @@ def rope_pool_kernel(
         cos = libdevice.cos(ang) * attention_scaling
         sin = libdevice.sin(ang) * attention_scaling
 
-    qo_row = q_out + t * QO_ST + (g * HQ + hq) * QO_SH
+    qo_row = q_out + t * QO_ST + q_head * QO_SH
     tl.store(qo_row + d1, (q1 * cos - q2 * sin).to(q_out.dtype.element_ty), mask=mq)
     tl.store(qo_row + d2, (q1 * sin + q2 * cos).to(q_out.dtype.element_ty), mask=mq)
     k1r = (k1 * cos - k2 * sin).to(k_out.dtype.element_ty)
     k2r = (k1 * sin + k2 * cos).to(k_out.dtype.element_ty)
-    ko_row = k_out + t * KO_ST + (g * HKV + hk) * KO_SH
+    ko_row = k_out + t * KO_ST + kv_head * KO_SH
     tl.store(ko_row + d1, k1r, mask=mk)
     tl.store(ko_row + d2, k2r, mask=mk)
     if BLOCK_PASS > 0:
@@ -116,8 +119,8 @@ def rope_pool_kernel(
     slot = tl.where(write, slot, 0)
     page = slot // PAGE_SIZE
     row = slot % PAGE_SIZE
-    kp_row = k_pool + page * KP_PAGE + row * KP_ROW + (g * HKV + hk) * KP_SH
-    vp_row = v_pool + page * VP_PAGE + row * VP_ROW + (g * HKV + hk) * VP_SH
+    kp_row = k_pool + page * KP_PAGE + row * KP_ROW + kv_head * KP_SH
+    vp_row = v_pool + page * VP_PAGE + row * VP_ROW + kv_head * VP_SH
     mkw = (hk < p_heads) & (i < HALF)
     tl.store(kp_row + d1, _to_pool(k1r, k_pool, k_scale, FP8, FP8_MAX), mask=mkw)
     tl.store(kp_row + d2, _to_pool(k2r, k_pool, k_scale, FP8, FP8_MAX), mask=mkw)

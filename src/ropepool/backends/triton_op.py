@@ -5,10 +5,10 @@ works out a layout once per checked Call (strides, constexprs, frequency
 table; see _Layout): the first call of a layout goes through Triton's JIT,
 which compiles and returns the kernel; later calls hand the data pointers,
 as ints, straight to the compiled kernel, skipping the JIT's per-argument
-specialisation. Under torch.compile
-the call goes through ``torch.ops.ropepool.rope_pool``, which declares the
-pools and outputs as mutated and has a fake implementation, so
-``fullgraph=True`` traces it and CUDA graphs capture it.
+specialisation. Under torch.compile the call goes through
+``torch.ops.ropepool.rope_pool``, which declares the pools and outputs as
+mutated and has a fake implementation, so ``fullgraph=True`` traces it and
+CUDA graphs capture it.
 """
 from __future__ import annotations
 
@@ -112,8 +112,9 @@ def _layout(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
     freqs = spec.freqs if isinstance(spec, _Rotation) else freq_table(spec, q.device)
     scalars = (call.pool_size, float(call.k_scale) if fp8 and not scale_ptr else 1.0,
                float(call.v_scale) if fp8 and not scale_ptr else 1.0, spec.attention_scaling)
-    return _Layout(key, (call.num_tokens, split, 1), warps, q.device.index, kp.data_ptr() - k_pool.data_ptr(),
-                   vp.data_ptr() - v_pool.data_ptr(), freqs, scalars, c, (*scalars, *c.values()), c["LONGROPE"], scale_ptr, {})
+    return _Layout(key, (call.num_tokens, split, 1), warps, q.device.index,
+                   kp.data_ptr() - k_pool.data_ptr(), vp.data_ptr() - v_pool.data_ptr(), freqs, scalars, c,
+                   (*scalars, *c.values()), c["LONGROPE"], scale_ptr, {})
 
 
 def launch(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
