@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ropepool
-from ropepool import RopeSpec
+from ropepool import RopeSpec, validate
 from tests.util import assert_same_bits
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -309,6 +309,45 @@ def test_rejected_after_an_equal_valid_call(good, bad, exc, match, rng):
         call(dict(args, **bad))
     for name, x, copy in before:
         assert_same_bits(name, x, copy)
+
+
+SCALARS = ("head_dim", "num_qo_heads", "num_kv_heads", "rope_base", "rope", "layer", "k_scale", "v_scale", "kv_layout")
+
+
+def cached(args):
+    """The Call validation's cache holds for this call, or None."""
+    full = {**dict.fromkeys(SCALARS), "rope_base": 10000.0, **args}
+    return validate.cached(*(full[n] for n in ARRAYS), full.get("q_out"), full.get("k_out"),
+                           tuple(full[n] for n in SCALARS))
+
+
+@pytest.mark.parametrize("make_other", [
+    pytest.param(change(q=lambda a: torch.randn(T, HQ + 1, D)[:, :HQ]), id="q-token-stride"),
+    pytest.param(change(slots=lambda a: a["slots"].int()), id="slots-int32"),
+    pytest.param(change(k_pool=lambda a: a["k_pool"].double(), v_pool=lambda a: a["v_pool"].double()),
+                 id="pools-float64"),
+    pytest.param(pools((P + 1, HKV, D)), id="pools-one-more-row"),
+    pytest.param(change(q=lambda a: a["q"].requires_grad_()), id="q-requires-grad"),
+    pytest.param(change(q_out=lambda a: torch.empty(T, HQ, D)), id="q_out-given"),
+    pytest.param(change(layer=True), id="layer-True"),
+    pytest.param(change(rope_base=5e5), id="rope_base"),
+    pytest.param(change(positions=lambda a: a["positions"][:3]), id="fewer-positions"),
+])
+def test_cache_hits_only_the_same_layout(make_other, rng):
+    """A checked call is cached; a call that differs in any checked property is not served from it."""
+    args = valid_call(rng)
+    call(args)
+    assert cached(args) is not None, "validation's cache is off: is TensorGuards missing from this torch?"
+    assert cached(dict(args, q=args["q"].clone(), k_pool=args["k_pool"].clone(), v_pool=args["v_pool"].clone()))
+    make_other(args)
+    assert cached(args) is None
+
+
+def test_cache_never_serves_one_pool_for_both(rng):
+    args = valid_call(rng)
+    call(args)
+    with pytest.raises(ValueError, match="^k_pool and v_pool are the same memory"):
+        call(dict(args, v_pool=args["k_pool"]))
 
 
 def test_numpy_scalars_are_numbers(rng):

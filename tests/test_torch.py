@@ -312,3 +312,4 @@ def test_rows_are_per_token(backend, rng):
     np.testing.assert_allclose(kp.cpu().numpy(), ref[2], rtol=0, atol=2e-6)
     np.testing.assert_array_equal(vp.cpu().numpy(), ref[3])
     assert torch.equal(vp[5], v[0]) and torch.equal(vp[2], v[5]) and torch.equal(kp[0], k_rot[1])
+

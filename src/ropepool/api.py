@@ -72,11 +72,15 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_
     >>> bool((k_pool[5] == k_rot[0]).all()), bool((k_pool[6] == 0).all())
     (True, True)
     """
-    call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
-                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
-                          rope=rope, layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
-                          q_out=q_out, k_out=k_out)
-    impl = backends.pick(call.framework, q, backend)
-    if call.framework == "torch":
-        return impl.run(call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
-    return impl.run(call, q, k, v, positions, slots, k_pool, v_pool)
+    call = validate.cached(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
+                           (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout))
+    if call is None:
+        call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
+                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
+                              rope=rope, layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
+                              q_out=q_out, k_out=k_out)
+    # A Call from validation's cache stands for one layout, so it keeps the pick.
+    run = call.cache.get(("run", backend))
+    if run is None:
+        run = call.cache["run", backend] = backends.pick(call.framework, q, backend).load()
+    return run(call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)

@@ -90,51 +90,89 @@ def default_spec(head_dim: int, rope_base: float) -> RopeSpec:
     return RopeSpec(head_dim=head_dim, base=rope_base)
 
 
-# Checked torch calls by signature: an engine repeats a few layouts, and on
-# a GPU the host time of a decode step is mostly this module's Python.
-_CHECKED: dict = {}
+# Checked torch calls: an engine repeats a few layouts, and on a GPU the host
+# time of a decode step is mostly Python. A hit costs one small dict lookup
+# and one C++ check of every tensor's type, dtype, device, sizes and strides
+# (dynamo's TensorGuards), about 10x less than reading those from Python.
+_CHECKED: dict = {}  # scalars, their types, tokens, which outs -> [(guard, Call)]
 
 
-def _signature(arrays, scalars):
-    """Everything ``check`` reads of a torch call (a hashable tuple), or None to check in full."""
-    if type(arrays[0]).__module__ != "torch" or _tracing():
+def _cache_key(q, scalars, q_out, k_out):
+    """The hashable part of a torch call (its tensors are guarded), or None to check it in full.
+
+    Calls with tensor scales are not cached: backends read those per call.
+    """
+    k_scale, v_scale = scalars[6:8]
+    if type(q).__module__ != "torch" or hasattr(k_scale, "shape") or hasattr(v_scale, "shape") or _tracing():
         return None
     try:
-        return (
-            # With each scalar's type: True == 1 and 1 == 1.0 as keys, but
-            # layer=True and k_scale=True must still be rejected after a call with 1.
-            tuple([(type(s), s) for s in scalars]),
-            tuple([None if x is None else (type(x), x.shape, x.stride(), x.dtype, x.device) for x in arrays]),
-            arrays[5].data_ptr() == arrays[6].data_ptr(),
-        )
-    except (AttributeError, TypeError):  # not a tensor: check in full, which says what is wrong
+        # With each scalar's type: True == 1 and 1 == 1.0 as keys, but
+        # layer=True and k_scale=True must still be rejected after a call with 1.
+        key = (scalars, tuple(map(type, scalars)), q.shape[0], q_out is None, k_out is None)
+        hash(key)
+    except (AttributeError, TypeError, IndexError):  # not a tensor, or rope={...}: checked in full
+        return None
+    return key
+
+
+def _guarded(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
+    tensors = (q, k, v, positions, slots, k_pool, v_pool)
+    if q_out is None and k_out is None:
+        return tensors
+    return tensors + tuple(x for x in (q_out, k_out) if x is not None)
+
+
+def cached(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, scalars) -> Call | None:
+    """The Call of an earlier torch call with this layout, or None (then ``check`` in full).
+
+    ``scalars``: head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer,
+    k_scale, v_scale, kv_layout.
+    """
+    layouts = _CHECKED.get(_cache_key(q, scalars, q_out, k_out))
+    if layouts:
+        tensors = _guarded(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+        for guard, call in layouts:
+            # The same memory for both pools is the one thing a layout cannot show.
+            if guard.check(*tensors) and k_pool.data_ptr() != v_pool.data_ptr():
+                if positions.is_cpu:
+                    check_values(positions, slots, call.pool_size)
+                return call
+    return None
+
+
+def _tensor_guard(tensors):
+    """A C++ check that tensors have these tensors' type, dtype, device, sizes and strides; None if
+    this torch has no TensorGuards (calls are then checked in full every time)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        return TensorGuards(*tensors, dynamic_dims_sizes=[list(x.shape) for x in tensors],
+                            dynamic_dims_strides=[list(x.stride()) for x in tensors])
+    except Exception:  # a private API: any failure only turns the cache off
         return None
 
 
 def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads,
           num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout,
           q_out=None, k_out=None, frameworks=("torch", "mlx")) -> Call:
-    sig = None
-    if "torch" in frameworks and not hasattr(k_scale, "shape") and not hasattr(v_scale, "shape"):
-        arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
-        sig = _signature(arrays, (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale,
-                                  v_scale, kv_layout))
-        try:
-            call = _CHECKED.get(sig) if sig is not None else None
-        except TypeError:  # an unhashable argument, e.g. rope={...}
-            sig = call = None
-        if call is not None:
-            if positions.is_cpu:
-                check_values(positions, slots, call.pool_size)
-            return call
+    """Check a call in full (raising on bad input) and return its Call; torch calls are cached."""
     call = _check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim, num_qo_heads=num_qo_heads,
                   num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope, layer=layer, k_scale=k_scale,
                   v_scale=v_scale, kv_layout=kv_layout, q_out=q_out, k_out=k_out, frameworks=frameworks)
-    # Only plain tensors are cached: a subclass may change what _check sees.
-    if sig is not None and all(x is None or type(x) in _plain_tensors() for x in arrays):
-        if len(_CHECKED) > 4096:
-            _CHECKED.clear()
-        _CHECKED[sig] = call
+    if call.framework == "torch":
+        key = _cache_key(q, (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale,
+                             kv_layout), q_out, k_out)
+        tensors = _guarded(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+        # Only plain tensors with memory (as a hit needs) are cached: a subclass may change what _check sees.
+        if (key is not None and all(type(x) in _plain_tensors() for x in tensors)
+                and k_pool.data_ptr() != v_pool.data_ptr()):
+            guard = _tensor_guard(tensors)
+            if guard is not None:
+                if len(_CHECKED) > 4096:
+                    _CHECKED.clear()
+                layouts = _CHECKED.setdefault(key, [])
+                layouts.append((guard, call))
+                del layouts[:-8]  # a few layouts per key in practice; never many
     return call
 
 

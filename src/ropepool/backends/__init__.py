@@ -20,14 +20,15 @@ from ..errors import RopePoolError
 class Backend:
     name: str
     framework: str
-    module: str  # holds run(call, q, k, v, positions, slots, k_pool, v_pool, ...)
+    module: str  # holds run(call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
     why_not: Callable[[object], str | None]  # given q; None when it can run
 
-    def run(self, *args, **kwargs):
-        mod = _LOADED.get(self.module)
-        if mod is None:
-            mod = _LOADED[self.module] = importlib.import_module(self.module, __name__)
-        return mod.run(*args, **kwargs)
+    def load(self) -> Callable:
+        """The backend's ``run`` (its module is imported on first use, never while dynamo traces)."""
+        run = _LOADED.get(self.module)
+        if run is None:
+            run = _LOADED[self.module] = importlib.import_module(self.module, __name__).run
+        return run
 
 
 _LOADED: dict = {}
@@ -57,19 +58,7 @@ BACKENDS = (
 _BY_NAME = {b.name: b for b in BACKENDS}
 
 
-# The choice depends only on these, and a decode step asks on every call.
-_PICKED: dict = {}
-
-
 def pick(framework: str, q, name: str | None = None) -> Backend:
-    key = (framework, getattr(getattr(q, "device", None), "type", None), name)
-    b = _PICKED.get(key)
-    if b is None:
-        b = _PICKED[key] = _pick(framework, q, name)
-    return b
-
-
-def _pick(framework: str, q, name: str | None) -> Backend:
     if name is not None:
         b = _BY_NAME.get(name)
         if b is None:

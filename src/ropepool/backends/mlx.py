@@ -106,7 +106,7 @@ def write(pool: mx.array, ids: mx.array, rows: mx.array) -> mx.array:
     return flat[:n].reshape(shape)
 
 
-def run(call, q, k, v, positions, slots, k_pool, v_pool):
+def run(call, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):  # outs: torch only
     spec = call.spec
     cos, sin = cos_sin(spec, positions)
     q_rot, k_rot = rotate(q, cos, sin, spec), rotate(k, cos, sin, spec)

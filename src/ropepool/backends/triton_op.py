@@ -51,6 +51,7 @@ class _Layout(NamedTuple):
     k_off: int  # bytes from the pool tensor to the layer written
     v_off: int
     freqs: torch.Tensor
+    freqs_ptr: int
     scalars: tuple  # pool_size, k_scale, v_scale, attention_scaling
     constexprs: dict  # in the kernel's signature order
     tail: tuple  # scalars and constexpr values: the launcher's arguments after the pointers
@@ -113,8 +114,8 @@ def _layout(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
     scalars = (call.pool_size, float(call.k_scale) if fp8 and not scale_ptr else 1.0,
                float(call.v_scale) if fp8 and not scale_ptr else 1.0, spec.attention_scaling)
     return _Layout(key, (call.num_tokens, split, 1), warps, q.device.index,
-                   kp.data_ptr() - k_pool.data_ptr(), vp.data_ptr() - v_pool.data_ptr(), freqs, scalars, c,
-                   (*scalars, *c.values()), c["LONGROPE"], scale_ptr, {})
+                   kp.data_ptr() - k_pool.data_ptr(), vp.data_ptr() - v_pool.data_ptr(), freqs, freqs.data_ptr(),
+                   scalars, c, (*scalars, *c.values()), c["LONGROPE"], scale_ptr, {})
 
 
 def launch(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
@@ -130,10 +131,11 @@ def launch(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
     # no data_ptr() call and no driver query per pointer.
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             k_pool.data_ptr() + lay.k_off, v_pool.data_ptr() + lay.v_off, q_out.data_ptr(), k_out.data_ptr(),
-            lay.freqs.data_ptr(), None if use_long is None else use_long.data_ptr(),
+            lay.freqs_ptr, None if use_long is None else use_long.data_ptr(),
             None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr())
-    bits = 0
-    for p in ptrs:
+    # Triton specialises on which pointers are 16-byte aligned; almost always all are.
+    bits = ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7] | ptrs[8]
+    for p in ptrs[10:]:
         bits |= p or 0
     align = True if bits % 16 == 0 else tuple(p is None or p % 16 == 0 for p in ptrs)
     kernel = lay.kernels.get(align)
@@ -143,10 +145,10 @@ def launch(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out):
         # What JITFunction.run does once it has found the compiled kernel.
         stream = torch._C._cuda_getCurrentRawStream(lay.device)
         hooks = triton.knobs.runtime
-        args = (*ptrs, *lay.tail)
-        meta = kernel.launch_metadata(lay.grid, stream, *args) if hooks.launch_enter_hook else None
+        enter = hooks.launch_enter_hook
+        meta = kernel.launch_metadata(lay.grid, stream, *ptrs, *lay.tail) if enter else None
         kernel.run(*lay.grid, stream, kernel.function, kernel.packed_metadata, meta,
-                   hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+                   enter, hooks.launch_exit_hook, *ptrs, *lay.tail)
         return
     # First call of this layout (or the interpreter): through the JIT, with tensors.
     kernel = rope_pool_kernel[lay.grid](
@@ -197,8 +199,9 @@ def _call_from(q, k_pool, rot, layer, kv_layout, k_scale, v_scale) -> Call:
 
 
 def run(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
-    q_out = q.new_empty(q.shape) if q_out is None else q_out
-    k_out = k.new_empty(k.shape) if k_out is None else k_out
+    # empty_like costs half of new_empty(shape) on the host (no size argument to parse).
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format) if q_out is None else q_out
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format) if k_out is None else k_out
     if torch.compiler.is_compiling():
         spec = call.spec
         rope_pool_op(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freq_table(spec, q.device),
