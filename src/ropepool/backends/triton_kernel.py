@@ -3,11 +3,9 @@
 One program per token, or per part of a token's heads when a call has too
 few tokens to fill the GPU (grid axis 1 splits the heads). Every load is
 issued before the first use, so a program waits for memory once, not once
-per tensor (that is what keeps a
-decode-sized call near the launch floor). cos/sin are computed once per
-(token, frequency) with libdevice's accurate sin/cos (tl.sin/tl.cos lower to
-approximations on CUDA that lose digits at large angles) and reused for
-every head. Pool stores are masked by ``0 <= slot < pool_size``, so no slot
+per tensor (that is what keeps a decode-sized call near the launch floor).
+cos/sin are computed once per (token, frequency) and reused for every head,
+accurately at any angle (see _cos_sin). Pool stores are masked by ``0 <= slot < pool_size``, so no slot
 value can write outside the pool, and need no device sync. Strides are
 compile-time constants (an engine has a handful of layouts), which gives
 the compiler the alignment it needs for wide accesses; addresses are int64.
@@ -20,6 +18,37 @@ from triton.language.extra import libdevice
 
 # The interpreter (CI's CPU run) has no libdevice; its tl.cos is NumPy's, accurate.
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _cos_sin(ang):
+    """cos and sin of float32 angles, accurate to float32 rounding at any size.
+
+    tl.cos/tl.sin lower to approximations that lose digits at large angles;
+    libdevice's accurate ones switch to a slow exact reduction past ~1e5 rad,
+    which one lane of a warp then runs while the others wait (positions past
+    ~1e5 at the highest frequency: on the H200 that cost 6% of the 8/1/128
+    geometry's time at T = 16384). So the angle is reduced to [-pi/4, pi/4]
+    here, in float64, and libdevice only ever sees small ones; the quadrant
+    picks the signs. pi/2 is split into three float32 numbers (Cody-Waite):
+    each product with n is exact in float64 for angles below 2^26, and the
+    constants mean the same whether Triton types a literal as float32 or
+    float64 (Triton 3.6's fma rounds literals to float32).
+    """
+    x = ang.to(tl.float64)
+    n = tl.floor(x * 0.6366197723675814 + 0.5)  # the nearest multiple of pi/2
+    r = ((x - n * 1.5707963705062866) - n * -4.371138828673793e-08 - n * -1.7151245100058819e-15).to(tl.float32)
+    if _INTERPRET:  # no libdevice; NumPy's float32 cos/sin are accurate
+        c = tl.cos(r)
+        s = tl.sin(r)
+    else:
+        c = libdevice.cos(r)
+        s = libdevice.sin(r)
+    quadrant = n.to(tl.int64) & 3
+    odd = (quadrant & 1) != 0
+    cos = tl.where(odd, s, c)
+    sin = tl.where(odd, c, s)
+    return tl.where(((quadrant + 1) & 2) != 0, -cos, cos), tl.where((quadrant & 2) != 0, -sin, sin)
 
 
 @triton.jit
@@ -91,13 +120,9 @@ def rope_pool_kernel(
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
 
-    ang = pos * inv_freq
-    if _INTERPRET:
-        cos = tl.cos(ang) * attention_scaling
-        sin = tl.sin(ang) * attention_scaling
-    else:
-        cos = libdevice.cos(ang) * attention_scaling
-        sin = libdevice.sin(ang) * attention_scaling
+    cos, sin = _cos_sin(pos * inv_freq)
+    cos = cos * attention_scaling
+    sin = sin * attention_scaling
 
     qo_row = q_out + t * QO_ST + q_head * QO_SH
     tl.store(qo_row + d1, (q1 * cos - q2 * sin).to(q_out.dtype.element_ty), mask=mq)

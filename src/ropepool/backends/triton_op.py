@@ -78,12 +78,9 @@ def _split(call) -> int:
     return next(s for s in (8, 4, 2, 1) if call.num_kv_heads % s == 0 and call.num_qo_heads % s == 0)
 
 
-def _num_warps(call) -> int:
-    # Swept on the H200 (1-16 warps, 1-8 tokens a program; docs/benchmarks.md):
-    # two warps a token win everywhere but for small rows at large T, where
-    # one warp lets more programs sit on an SM.
-    row = (_p2(call.num_qo_heads) + 2 * _p2(call.num_kv_heads)) * _p2(call.head_dim)
-    return 1 if row <= 2048 and call.num_tokens >= 16384 else 2
+# Swept on the H200 (1-16 warps, 1-4 tokens a program; docs/benchmarks.md):
+# two warps a program win for every geometry and T.
+NUM_WARPS = 2
 
 
 def _layout(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out) -> _Layout:
@@ -105,7 +102,7 @@ def _layout(call: Call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
              LONGROPE=spec.long_from is not None, FP8=fp8, FP8_MAX=FP8_MAX.get(k_pool.dtype, 0.0),
              SCALE_PTR=scale_ptr)
     c = {name: c[name] for name in rope_pool_kernel.arg_names if name in c}  # the launcher's order
-    warps = _num_warps(call)
+    warps = NUM_WARPS
     # Besides the constexprs Triton specialises on the pointers' alignment
     # (part of the key per call) and on whether pool_size needs 64 bits.
     key = (tuple(c.values()), warps, q.dtype, q_out.dtype, k_pool.dtype, positions.dtype, slots.dtype,
