@@ -54,6 +54,10 @@ def rotate(x: torch.Tensor, cos, sin, spec) -> torch.Tensor:
 def store(rows: torch.Tensor, pool_dtype, scale) -> torch.Tensor:
     if scale is None:
         return rows
+    if not isinstance(scale, torch.Tensor):
+        # PyTorch's CUDA kernels turn division by a Python number into a
+        # multiplication by its reciprocal (an fp8 step off, now and then).
+        scale = torch.full((), scale, dtype=torch.float32, device=rows.device)
     top = FP8_MAX[pool_dtype]
     return (rows.float() / scale).clamp(-top, top).to(pool_dtype)
 
