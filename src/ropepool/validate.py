@@ -38,8 +38,8 @@ class Call:
     pool_size: int  # slots: num_pages * page_size
     k_scale: object  # None, a float, or a one-element tensor (fp8 pools)
     v_scale: object
-    # Backends' state for this layout: a Call from check's cache stands for
-    # every call with the same signature (see _CHECKED).
+    # Backends' state for this layout: a Call from the cache stands for every
+    # call with the same scalars and tensor properties (see _CHECKED).
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
 

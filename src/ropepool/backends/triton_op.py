@@ -38,8 +38,8 @@ class _Rotation(NamedTuple):
 class _Layout(NamedTuple):
     """What a checked call fixes for the launcher, worked out once per Call.
 
-    validate caches one Call per signature (every shape, stride, dtype and
-    device of the arguments), so a Call from its cache stands for one layout
+    validate caches one Call per layout (the scalar arguments and every
+    shape, stride, dtype and device), so a Call from its cache stands for one layout
     and the launcher keeps this in ``call.cache``; only the data pointers
     (and their alignment) change from call to call.
     """
