@@ -56,5 +56,6 @@ def main():
                     print(f"{gname:>14} {T:>6} {max_pos:>8} {warps:>5} {split:>5} {us:8.2f} "
                           f"{copy_us:8.2f} {100 * copy_us / us:6.1f}%", flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -5,10 +5,11 @@ few tokens to fill the GPU (grid axis 1 splits the heads). Every load is
 issued before the first use, so a program waits for memory once, not once
 per tensor (that is what keeps a decode-sized call near the launch floor).
 cos/sin are computed once per (token, frequency) and reused for every head,
-accurately at any angle (see _cos_sin). Pool stores are masked by ``0 <= slot < pool_size``, so no slot
-value can write outside the pool, and need no device sync. Strides are
-compile-time constants (an engine has a handful of layouts), which gives
-the compiler the alignment it needs for wide accesses; addresses are int64.
+accurately at any angle (see _cos_sin). Pool stores are masked by
+``0 <= slot < pool_size``, so no slot value can write outside the pool, and
+need no device sync. Strides are compile-time constants (an engine has a
+handful of layouts), which gives the compiler the alignment it needs for
+wide accesses; addresses are int64.
 """
 import os
 
