@@ -1,12 +1,18 @@
-"""rope_pool_fused: validate, pick a backend, run it."""
+"""rope_pool_fused and rope_latent_fused: validate, plan, run."""
 from __future__ import annotations
 
-from . import backends, validate
+from typing import Any
+
+from . import plan, validate
+
+Array = Any  # a torch.Tensor or an mx.array
 
 
-def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, num_kv_heads,
-                    rope_base=10000.0, rope=None, layer=None, k_scale=None, v_scale=None, kv_layout=None,
-                    q_out=None, k_out=None, backend=None):
+def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array, k_pool: Array, v_pool: Array, *,
+                    head_dim: int, num_qo_heads: int, num_kv_heads: int, rope_base: float = 10000.0,
+                    rope=None, layer: int | None = None, k_scale=None, v_scale=None, kv_layout: str | None = None,
+                    q_out: Array | None = None, k_out: Array | None = None, backend: str | None = None,
+                    qk_norm=None, q_scale=None, k_out_scale=None) -> tuple[Array, Array, Array, Array]:
     """Rotate q and k (RoPE) and write the rotated k and v into the KV pools at ``slots``.
 
     Parameters
@@ -15,7 +21,7 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_
     k, v : [num_tokens, num_kv_heads, head_dim], q's dtype
         Any token and head stride (views of a fused QKV projection are read
         in place); the last dim must be contiguous.
-    positions : [num_tokens], int32 or int64
+    positions : [num_tokens] (MRoPE: or [3, num_tokens]), int32 or int64
     slots : [num_tokens], int32 or int64
         Pool row of each token; a slot < 0 skips that token's pool write.
     k_pool, v_pool : the KV cache
@@ -23,33 +29,42 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_
         ``[num_layers, ...]`` of it with ``layer=``; with ``kv_layout="NHD"``
         ``[num_pages, page_size, num_kv_heads, head_dim]`` and with ``"HND"``
         ``[num_pages, num_kv_heads, page_size, head_dim]`` (slot =
-        page * page_size + row). q's dtype, or float8 with scales.
+        page * page_size + row). q's dtype, or float8 with scales (MLX: uint8
+        holding e4m3, as ``mx.to_fp8`` stores it).
     head_dim, num_qo_heads, num_kv_heads : int
     rope_base : float
         The RoPE base of plain NeoX RoPE; ignored in favour of ``rope``.
-    rope : RopeSpec, optional
-        Describes the rotation completely (partial, GPT-J, scaled variants).
+    rope : RopeSpec or CosSinCache, optional
+        Describes the rotation completely (partial, GPT-J, scaled variants,
+        MRoPE, no RoPE), or hands over the engine's own cos/sin table.
     layer : int, optional
-        The layer of a layer-stacked pool to write (through a view).
-    k_scale, v_scale : float or one-element float32 tensor, optional
+        The layer of a layer-stacked pool to write (through a view); negative
+        counts from the end.
+    k_scale, v_scale : float, one-element or [num_kv_heads] float32 tensor
         fp8 pools store ``value / scale``, saturated to the format's range.
     kv_layout : {None, "NHD", "HND"}
     q_out, k_out : torch.Tensor, optional
-        Where to write q_rot and k_rot (may be q and k themselves).
+        Where to write q_rot and k_rot (may be q and k themselves); float8
+        with ``q_scale`` / ``k_out_scale`` to receive ``x_rot / scale``.
     backend : {None, "triton", "torch", "mlx"}
         None chooses the fastest that can run (``ropepool env`` says why).
+    qk_norm : QKNorm, optional
+        Per-head RMS norm of q and k before (or after) the rotation.
+    q_scale, k_out_scale : float or one-element float32 tensor
+        With float8 ``q_out`` / ``k_out``.
 
     Returns
     -------
     q_rot, k_rot, k_pool, v_pool
         PyTorch: new q_rot and k_rot (or q_out, k_out) and the same pool
-        objects, updated in place. MLX: new arrays, inputs untouched.
+        objects, updated in place. MLX: new arrays; the pools are donated
+        (rebind your names to the returned ones).
 
     Raises
     ------
     ValueError (ropepool.RopePoolError)
-        Shapes, dtypes, head counts, layouts; slot and position values where
-        checking needs no device sync. Raised before anything is written.
+        Shapes, dtypes, layouts; slot and position values where checking
+        needs no device sync. Raised before anything is written.
     TypeError
         Non-array arguments, mixed frameworks or devices.
 
@@ -72,15 +87,59 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_
     >>> bool((k_pool[5] == k_rot[0]).all()), bool((k_pool[6] == 0).all())
     (True, True)
     """
-    call = validate.cached(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
-                           (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout))
-    if call is None:
-        call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
-                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
-                              rope=rope, layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
-                              q_out=q_out, k_out=k_out)
-    # A Call from validation's cache stands for one layout, so it keeps the pick.
-    run = call.cache.get(("run", backend))
+    arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+    scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout, backend,
+               qk_norm, q_scale, k_out_scale, q_out is None, k_out is None)
+    run = plan.lookup(scalars, arrays)
     if run is None:
-        run = call.cache["run", backend] = backends.pick(call.framework, q, backend).load()
-    return run(call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+        call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
+                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope,
+                              layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout, q_out=q_out,
+                              k_out=k_out, qk_norm=qk_norm, q_scale=q_scale, k_out_scale=k_out_scale)
+        run = plan.make(call, q, backend).bind(*arrays)
+        plan.remember(scalars, arrays, call, run)
+    return run(*arrays)
+
+
+def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, slots: Array, ckv_cache: Array,
+                      kpe_cache: Array, *, rope, kv_layout: str | None = None, layer: int | None = None, scale=None,
+                      q_pe_out: Array | None = None, backend: str | None = None) -> tuple[Array, Array, Array, Array]:
+    """The latent cache of multi-head latent attention (DeepSeek V2/V3, Kimi K2): rotate q_pe and k_pe,
+    write kv_c and the rotated k_pe at ``slots``.
+
+    Parameters
+    ----------
+    q_pe : [num_tokens, num_heads, rope_dim]
+    k_pe : [num_tokens, rope_dim] (or [num_tokens, 1, rope_dim]): one head shared by all
+    kv_c : [num_tokens, kv_lora_rank], the normalised latent (not rotated)
+    positions, slots : as rope_pool_fused
+    ckv_cache : [pool_size, kv_lora_rank], paged [num_pages, page_size, kv_lora_rank] with
+        ``kv_layout="NHD"``, layer-stacked with ``layer=``
+    kpe_cache : the same with rope_dim features. vLLM's combined ``[..., kv_lora_rank + rope_dim]``
+        row is passed as the two column views ``cache[..., :kv_lora_rank]``, ``cache[..., kv_lora_rank:]``.
+    rope : RopeSpec or CosSinCache rotating the whole rope_dim (DeepSeek: ``from_hf_config``
+        gives GPT-J pairs and YaRN with mscale)
+    scale : float or one-element float32 tensor; required for fp8 caches, which store value / scale
+    q_pe_out : torch.Tensor, optional; may be q_pe (in place)
+
+    Returns
+    -------
+    q_pe_rot, k_pe_rot (k_pe's shape), ckv_cache, kpe_cache
+        As rope_pool_fused: torch caches in place, MLX caches donated.
+
+    Notes
+    -----
+    Pairs stay in place, as vLLM and FlashInfer store them; transformers'
+    ``apply_rotary_pos_emb_interleave`` returns the same values with each
+    head's features permuted (evens, then odds).
+    """
+    arrays = (q_pe, k_pe, kv_c, positions, slots, kpe_cache, ckv_cache, q_pe_out, None)
+    scalars = ("latent", rope, kv_layout, layer, scale, backend, q_pe_out is None)
+    run = plan.lookup(scalars, arrays)
+    if run is None:
+        call = validate.check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope,
+                                     kv_layout=kv_layout, layer=layer, scale=scale, q_pe_out=q_pe_out)
+        run = plan.make(call, q_pe, backend).bind(*arrays)
+        plan.remember(scalars, arrays, call, run)
+    q_rot, k_rot, kpe, ckv = run(*arrays)
+    return q_rot, k_rot, ckv, kpe

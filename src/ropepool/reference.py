@@ -1,9 +1,11 @@
-"""The readable definition of rope_pool_fused: NumPy, float64, no fast paths.
+"""The readable definition of the ops: NumPy, float64, no fast paths.
 
-It is the oracle of every test. Same signature as ``ropepool.rope_pool_fused``;
-takes NumPy arrays and returns new ones (inputs untouched). The angle is the
-float32 product ``float32(position) * float32(inv_freq)``, as the contract
-defines it (docs/precision.md); everything after it is float64.
+It is the oracle of every test. ``rope_pool_fused`` and ``rope_latent_fused``
+have the signatures of the ops; they take NumPy arrays (a ``QKNorm`` with
+NumPy weights, a ``CosSinCache`` with a NumPy table) and return new arrays,
+inputs untouched. The angle is the float32 product ``float32(position) *
+float32(inv_freq)``, as the contract defines it (docs/precision.md); a table
+is read as given; everything after that is float64.
 """
 from __future__ import annotations
 
@@ -13,58 +15,108 @@ from . import validate
 from .layout import page_and_row, paged_view
 
 
-def angles(spec, positions) -> np.ndarray:
-    """float64 ``[num_tokens, rotary_dim // 2]``: the float32 angles of a call."""
-    inv_freq = spec.inv_freq
-    if spec.long_from is not None and positions.size and positions.max() >= spec.long_from:
-        inv_freq = spec.long_inv_freq
-    pos32 = np.asarray(positions).astype(np.float32)
-    return (pos32[:, None] * inv_freq.astype(np.float32)[None, :]).astype(np.float64)
+def cos_sin(rot, positions) -> tuple:
+    """float64 ``cos, sin [T, rotary_dim // 2]`` of a call, attention scaling included."""
+    positions = np.asarray(positions)
+    half = rot.rotary_dim // 2
+    # Each frequency's position: its MRoPE row of [3, T] positions (1-D positions: the same for all).
+    pos = positions[rot.rows].T if positions.ndim == 2 else np.repeat(positions[:, None], half, axis=1)
+    if rot.table is not None:
+        table = np.asarray(rot.table, dtype=np.float64)
+        return np.take_along_axis(table[:, :half], pos, 0), np.take_along_axis(table[:, half:2 * half], pos, 0)
+    freqs = rot.freqs[0]
+    if rot.long_from is not None and positions.size and positions.max() >= rot.long_from:
+        freqs = rot.freqs[1]
+    ang = (pos.astype(np.float32) * freqs.astype(np.float32)[None, :]).astype(np.float64)
+    return np.cos(ang) * rot.attention_scaling, np.sin(ang) * rot.attention_scaling
 
 
-def rotate(x, cos, sin, spec):
-    """Rotate ``x [T, H, head_dim]`` by ``cos, sin [T, rotary_dim // 2]``."""
-    x = x.astype(np.float64)
+def rotate(x, cos, sin, rot):
+    """Rotate ``x [T, H, head_dim]`` (float64) by ``cos, sin [T, rotary_dim // 2]``."""
     c, s = cos[:, None, :], sin[:, None, :]
-    r = spec.rotary_dim
-    if spec.style == "neox":
-        x1, x2 = x[..., : r // 2], x[..., r // 2 : r]
-    else:
+    r = rot.rotary_dim
+    if rot.gptj:
         x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+    else:
+        x1, x2 = x[..., : r // 2], x[..., r // 2: r]
     o1, o2 = x1 * c - x2 * s, x1 * s + x2 * c
     out = x.copy()
-    if spec.style == "neox":
-        out[..., : r // 2], out[..., r // 2 : r] = o1, o2
-    else:
+    if rot.gptj:
         out[..., 0:r:2], out[..., 1:r:2] = o1, o2
+    else:
+        out[..., : r // 2], out[..., r // 2: r] = o1, o2
     return out
 
 
+def rms_norm(x, weight, norm):
+    """Each row of ``x [T, H, head_dim]`` over head_dim: ``x / sqrt(mean(x^2) + eps) * g``."""
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + norm.eps)
+    return y if weight is None else y * (np.asarray(weight, dtype=np.float64) + norm.weight_offset)
+
+
+def rope_and_norm(x, cos, sin, rot, norm, weight):
+    x = np.asarray(x).astype(np.float64)
+    if norm is not None and not norm.after_rope:
+        x = rms_norm(x, weight, norm)
+    if rot.rotary_dim:
+        x = rotate(x, cos, sin, rot)
+    if norm is not None and norm.after_rope:
+        x = rms_norm(x, weight, norm)
+    return x
+
+
 def quantize(x, scale, dtype):
-    """What an fp8 pool stores: ``x / scale`` saturated to the format's finite range."""
+    """What an fp8 pool stores: ``x / scale`` saturated to the format's finite range.
+
+    ``scale``: a float, one element, or one per head (``[H]`` for ``x [T, H, D]``)."""
     import ml_dtypes
 
     top = float(ml_dtypes.finfo(dtype).max)
-    return np.clip(x / float(np.asarray(scale).reshape(())), -top, top).astype(dtype)
+    scale = np.asarray(scale, dtype=np.float64)
+    scale = scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(())
+    return np.clip(np.asarray(x, dtype=np.float64) / scale, -top, top).astype(dtype)
+
+
+def _write(call, slots, pools_rows_scales):
+    write = np.asarray(slots) >= 0
+    page, row = page_and_row(np.asarray(slots)[write], call.pool.page_size)
+    out = []
+    for pool, rows, scale in pools_rows_scales:
+        pool = pool.copy()
+        rows = rows[write]
+        if rows.ndim == 2:  # a latent row: one head
+            rows = rows[:, None]
+        if scale is not None:
+            rows = quantize(rows, scale, pool.dtype)
+        paged_view(pool, call.pool)[page, row] = rows
+        out.append(pool)
+    return out
 
 
 def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, num_kv_heads,
-                    rope_base=10000.0, rope=None, layer=None, k_scale=None, v_scale=None, kv_layout=None):
+                    rope_base=10000.0, rope=None, layer=None, k_scale=None, v_scale=None, kv_layout=None,
+                    qk_norm=None):
     """Oracle of :func:`ropepool.rope_pool_fused`; returns ``(q_rot, k_rot, k_pool, v_pool)`` as new arrays."""
     call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
                           num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
                           rope=rope, layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
-                          frameworks=("numpy",))
-    spec = call.spec
-    ang = angles(spec, positions)
-    cos, sin = np.cos(ang) * spec.attention_scaling, np.sin(ang) * spec.attention_scaling
-    q_rot, k_rot = rotate(q, cos, sin, spec), rotate(k, cos, sin, spec)
-
-    k_pool, v_pool = k_pool.copy(), v_pool.copy()
-    write = slots >= 0
-    page, row = page_and_row(slots[write], call.page_size)
-    for pool, rows, scale in ((k_pool, k_rot[write], k_scale), (v_pool, v[write], v_scale)):
-        if scale is not None:
-            rows = quantize(rows, scale, pool.dtype)
-        paged_view(pool, call)[page, row] = rows
+                          qk_norm=qk_norm, frameworks=("numpy",))
+    rot, norm = call.rotation, call.norm
+    cos, sin = cos_sin(rot, positions)
+    qw, kw = (None, None) if norm is None else norm.weights
+    q_rot, k_rot = rope_and_norm(q, cos, sin, rot, norm, qw), rope_and_norm(k, cos, sin, rot, norm, kw)
+    k_pool, v_pool = _write(call, slots, ((k_pool, k_rot, k_scale), (v_pool, np.asarray(v), v_scale)))
     return q_rot, k_rot, k_pool, v_pool
+
+
+def rope_latent_fused(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, rope, kv_layout=None,
+                      layer=None, scale=None):
+    """Oracle of :func:`ropepool.rope_latent_fused`; returns ``(q_pe_rot, k_pe_rot, ckv_cache, kpe_cache)``."""
+    call = validate.check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope,
+                                 kv_layout=kv_layout, layer=layer, scale=scale, frameworks=("numpy",))
+    cos, sin = cos_sin(call.rotation, positions)
+    q_rot = rope_and_norm(q_pe, cos, sin, call.rotation, None, None)
+    k3 = np.asarray(k_pe).reshape(len(k_pe), 1, -1)
+    k_rot = rope_and_norm(k3, cos, sin, call.rotation, None, None).reshape(np.shape(k_pe))
+    kpe_cache, ckv_cache = _write(call, slots, ((kpe_cache, k_rot, scale), (ckv_cache, np.asarray(kv_c), scale)))
+    return q_rot, k_rot, ckv_cache, kpe_cache

@@ -1,196 +1,85 @@
-"""RopeSpec: which rotation to apply, reduced to frequencies.
+"""Which rotation to apply, reduced to one kernel-facing record.
 
-Every backend sees only what this module derives from a spec: ``inv_freq``
-(float64, ``[rotary_dim // 2]``), ``attention_scaling`` (cos and sin are
-multiplied by it), ``rotary_dim``, ``style`` and, for unpinned longrope,
-``long_inv_freq`` / ``long_from`` (docs/rope.md). Scaled variants are data:
-``_ROPE_TYPES`` maps a transformers ``rope_type`` to the function that
-returns ``(inv_freq, attention_scaling)``; no kernel knows the variant.
+``RopeSpec`` describes a model's rotary embedding (base, partial rotary, pair
+style, scaling type, MRoPE sections); ``CosSinCache`` wraps an engine's own
+cos/sin table. Both reduce to a ``Rotation``: frequencies (or the table), the
+pair style, ``rotary_dim``, the MRoPE row of each frequency and the attention
+scaling. Every backend and the oracle read only that record; scaling types
+are data (``scaling.ROPE_TYPES``), so no kernel knows the variant.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
+from .dtypes import FLOAT_DTYPES, dtype_name, framework_of
 from .errors import RopePoolError
+from .scaling import ROPE_TYPES, _longrope_inv_freq, _original_max
 
 STYLES = ("neox", "gptj")
 
 
-def _default_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
-    return 1.0 / (base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+@dataclass(frozen=True, eq=False)
+class Rotation:
+    """What a kernel reads of a rotation. Made by ``RopeSpec`` and ``CosSinCache``, never by a backend.
+
+    ``freqs``: float32 ``[sets, rotary_dim // 2]`` (None with a table); row 1
+    holds longrope's long-factor frequencies, used by a whole call once its
+    largest position reaches ``long_from``. ``table``: the engine's
+    ``[max_position, rotary_dim]`` cos/sin cache (cos half, then sin half),
+    an array of the call's framework. ``rows``: for each frequency, which
+    row of ``[3, T]`` MRoPE positions it takes (all 0 without MRoPE).
+    """
+
+    rotary_dim: int  # 0: a layer without RoPE
+    gptj: bool  # pairs (x[2i], x[2i+1]); else NeoX (x[i], x[i + rotary_dim/2])
+    attention_scaling: float = 1.0
+    freqs: np.ndarray | None = None
+    long_from: int | None = None
+    table: Any = None
+    mrope_section: tuple | None = None
+    mrope_interleaved: bool = False
+    rows: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "rows", mrope_rows(self.rotary_dim // 2, self.mrope_section, self.mrope_interleaved))
 
 
-def _is_positive(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
+def mrope_rows(half: int, section, interleaved: bool) -> np.ndarray:
+    """int ``[half]``: the position row (0 time, 1 height, 2 width) of each frequency (API.md 5.2)."""
+    i = np.arange(half)
+    if section is None:
+        return np.zeros(half, dtype=np.int64)
+    s_t, s_h, s_w = section
+    if interleaved:
+        return np.where((i % 3 == 1) & (i < 3 * s_h), 1, np.where((i % 3 == 2) & (i < 3 * s_w), 2, 0))
+    return (i >= s_t).astype(np.int64) + (i >= s_t + s_h)
 
 
-def _required(params: Mapping[str, Any], key: str, rope_type: str, unless: str = ""):
-    value = params.get(key)
-    if value is None:
-        raise RopePoolError(
-            f"RopeSpec.scaling[{key!r}] is required for rope_type {rope_type!r}{unless}; "
-            f"got no {key!r} key. Fix: copy {key!r} from the model's rope_scaling / rope_parameters."
-        )
-    return value
-
-
-def _positive(params: Mapping[str, Any], key: str, rope_type: str, unless: str = "") -> float:
-    value = _required(params, key, rope_type, unless)
-    if not _is_positive(value):
-        raise RopePoolError(
-            f"RopeSpec.scaling[{key!r}] must be a number > 0 for rope_type {rope_type!r}; got {value!r}. "
-            f"Fix: copy {key!r} from the model's rope_scaling / rope_parameters."
-        )
-    return float(value)
-
-
-def _original_max(spec: "RopeSpec", params: Mapping[str, Any], rope_type: str) -> float:
-    # transformers fills a missing original_max_position_embeddings with max_position_embeddings
-    key = "original_max_position_embeddings"
-    if params.get(key) is None and spec.max_position_embeddings is not None:
-        return float(spec.max_position_embeddings)
-    return _positive(params, key, rope_type, unless=" unless RopeSpec.max_position_embeddings is set")
-
-
-def _factor_or_ratio(spec: "RopeSpec", params: Mapping[str, Any], rope_type: str, original: float) -> float:
-    # Phi-3 and DeepSeek-V3 leave factor out: transformers then uses the context-length ratio
-    if params.get("factor") is None and spec.max_position_embeddings is not None:
-        return spec.max_position_embeddings / original
-    return _positive(params, "factor", rope_type, unless=" unless RopeSpec.max_position_embeddings is set")
-
-
-def _default(spec: "RopeSpec", params: Mapping[str, Any]):
-    return _default_inv_freq(spec.base, spec.rotary_dim), 1.0
-
-
-def _linear(spec: "RopeSpec", params: Mapping[str, Any]):
-    return _default_inv_freq(spec.base, spec.rotary_dim) / _positive(params, "factor", "linear"), 1.0
-
-
-def _dynamic(spec: "RopeSpec", params: Mapping[str, Any]):
-    factor = _positive(params, "factor", "dynamic")
-    max_len = spec.max_position_embeddings
-    if max_len is None:
-        raise RopePoolError(
-            "RopeSpec.max_position_embeddings is required for rope_type 'dynamic'; got None. "
-            "Fix: pass the model's max_position_embeddings (dynamic NTK scales the base beyond it)."
-        )
-    dim = spec.rotary_dim
-    if dim == 2:
-        raise RopePoolError(
-            "RopeSpec.rotary_dim must be > 2 for rope_type 'dynamic'; got 2. "
-            "Fix: dynamic NTK raises the base to dim / (dim - 2), so rotate at least 4 features."
-        )
-    # Shorter than max_position_embeddings (or unpinned) the ratio is 1: the unscaled frequencies.
-    seq_len = max(spec.seq_len or max_len, max_len)
-    base = spec.base * (factor * seq_len / max_len - (factor - 1)) ** (dim / (dim - 2))
-    return _default_inv_freq(base, dim), 1.0
-
-
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _yarn(spec: "RopeSpec", params: Mapping[str, Any]):
-    original = _original_max(spec, params, "yarn")
-    factor = _factor_or_ratio(spec, params, "yarn", original)
-    dim, base = spec.rotary_dim, spec.base
-    if params.get("attention_factor") is not None:
-        attention = _positive(params, "attention_factor", "yarn")
-    elif params.get("mscale") and params.get("mscale_all_dim"):
-        attention = _yarn_mscale(factor, params["mscale"]) / _yarn_mscale(factor, params["mscale_all_dim"])
-    else:
-        attention = _yarn_mscale(factor, 1.0)
-    # transformers treats 0 like a missing value here (`or`)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-
-    def correction_dim(rotations):
-        # the pair index whose wavelength fits `rotations` times into the original context
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: a zero-width ramp would divide by zero
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-    inv_freq = _default_inv_freq(base, dim)
-    # ramp 0 (fast pairs) keeps the frequency, ramp 1 (slow pairs) interpolates it by factor
-    return inv_freq * (1 - ramp) + inv_freq / factor * ramp, attention
-
-
-def _longrope_inv_freq(spec: "RopeSpec", params: Mapping[str, Any], key: str) -> np.ndarray:
-    n = spec.rotary_dim // 2
-    value = _required(params, key, "longrope")
-    if np.ndim(value) != 1 or len(value) != n:
-        raise RopePoolError(
-            f"RopeSpec.scaling[{key!r}] must have rotary_dim // 2 = {n} entries for rope_type 'longrope'; "
-            f"got shape {np.shape(value)}. Fix: copy {key!r} from the model's config and check rotary_dim "
-            "(head_dim * partial_rotary_factor)."
-        )
-    bad = [f for f in value if not _is_positive(f)]
-    if bad:
-        raise RopePoolError(
-            f"RopeSpec.scaling[{key!r}] must hold numbers > 0 for rope_type 'longrope'; got {bad[:3]!r}. "
-            f"Fix: copy {key!r} from the model's config."
-        )
-    return _default_inv_freq(spec.base, spec.rotary_dim) / np.asarray(value, dtype=np.float64)
-
-
-def _longrope(spec: "RopeSpec", params: Mapping[str, Any]):
-    original = _original_max(spec, params, "longrope")
-    factor = _factor_or_ratio(spec, params, "longrope", original)
-    short = _longrope_inv_freq(spec, params, "short_factor")
-    long = _longrope_inv_freq(spec, params, "long_factor")
-    if params.get("attention_factor") is not None:
-        attention = _positive(params, "attention_factor", "longrope")
-    elif factor <= 1:
-        attention = 1.0
-    else:
-        attention = math.sqrt(1 + math.log(factor) / math.log(original))
-    pinned_long = spec.seq_len is not None and spec.seq_len > original
-    return (long if pinned_long else short), attention
-
-
-def _llama3(spec: "RopeSpec", params: Mapping[str, Any]):
-    factor = _positive(params, "factor", "llama3")
-    low = _positive(params, "low_freq_factor", "llama3")
-    high = _positive(params, "high_freq_factor", "llama3")
-    if high <= low:
-        raise RopePoolError(
-            f"RopeSpec.scaling['high_freq_factor'] must be greater than low_freq_factor={low}; got {high}. "
-            "Fix: copy both from the model's config (Llama 3.1: low 1, high 4)."
-        )
-    original = _original_max(spec, params, "llama3")
-    inv_freq = _default_inv_freq(spec.base, spec.rotary_dim)
-    # 0 where the wavelength exceeds original/low (divide by factor), 1 where it is below
-    # original/high (keep), linear in original/wavelength between: transformers' three bands.
-    smooth = np.clip((original * inv_freq / (2 * math.pi) - low) / (high - low), 0.0, 1.0)
-    return inv_freq * (smooth + (1 - smooth) / factor), 1.0
-
-
-# rope_type -> f(spec, params) -> (inv_freq float64 [rotary_dim // 2], attention_scaling)
-_ROPE_TYPES = {
-    "default": _default,
-    "linear": _linear,
-    "dynamic": _dynamic,
-    "yarn": _yarn,
-    "longrope": _longrope,
-    "llama3": _llama3,
-}
+def _check_mrope(owner: str, section, interleaved, rotary_dim: int):
+    if section is None:
+        if interleaved:
+            raise RopePoolError(f"{owner}.mrope_interleaved needs mrope_section; got mrope_section=None. "
+                                "Fix: pass the model's mrope_section (e.g. (16, 24, 24)), or drop mrope_interleaved.")
+        return None
+    try:
+        section = tuple(int(s) for s in section)
+    except (TypeError, ValueError):
+        section = None
+    if section is None or len(section) != 3 or min(section) < 0 or sum(section) != rotary_dim // 2:
+        raise RopePoolError(f"{owner}.mrope_section must be three ints >= 0 summing to rotary_dim // 2 = "
+                            f"{rotary_dim // 2}; got {section!r}. Fix: copy mrope_section from the model's config "
+                            "(Qwen2-VL: (16, 24, 24) for rotary_dim 128).")
+    return section
 
 
 @dataclass(frozen=True, eq=False)
 class RopeSpec:
-    """The rotary embedding of one model.
+    """The rotary embedding of one model (or one layer).
 
     Parameters
     ----------
@@ -198,7 +87,7 @@ class RopeSpec:
         Features per head.
     rotary_dim : int, optional
         How many leading features rotate (even, <= head_dim); the rest are
-        copied unchanged. Defaults to ``head_dim``.
+        copied unchanged. Defaults to ``head_dim``; 0 is a layer without RoPE.
     base : float
         The RoPE base (transformers' ``rope_theta``).
     style : {"neox", "gptj"}
@@ -213,13 +102,20 @@ class RopeSpec:
     seq_len : int, optional
         Pins the sequence length for the types whose frequencies depend on it
         (``dynamic``, ``longrope``). See docs/rope.md.
+    mrope_section : (int, int, int), optional
+        Multimodal RoPE (Qwen2-VL and later): how many frequencies take the
+        time, height and width rows of ``[3, num_tokens]`` positions; they sum
+        to ``rotary_dim // 2``.
+    mrope_interleaved : bool
+        Qwen3-VL's interleaved assignment instead of contiguous chunks.
 
-    Derived, what backends read: ``inv_freq`` (float64 ``[rotary_dim // 2]``),
-    ``attention_scaling``, and for unpinned longrope ``long_inv_freq`` /
-    ``long_from`` (None otherwise).
+    Derived: ``inv_freq`` (float64 ``[rotary_dim // 2]``), ``attention_scaling``,
+    for unpinned longrope ``long_inv_freq`` / ``long_from`` (None otherwise),
+    and ``rotation``, the record every backend reads.
 
     Use ``RopeSpec.from_hf_config(config)`` to read all of this from a model's
-    config, and ``spec.at_seq_len(n)`` to pin the sequence length.
+    config, ``RopeSpec.for_layers(config)`` for one spec per decoder layer, and
+    ``spec.at_seq_len(n)`` to pin the sequence length.
     """
 
     head_dim: int
@@ -229,26 +125,30 @@ class RopeSpec:
     scaling: Mapping[str, Any] | None = None
     max_position_embeddings: int | None = None
     seq_len: int | None = None
+    mrope_section: tuple | None = None
+    mrope_interleaved: bool = False
     inv_freq: np.ndarray = field(init=False, repr=False)
     attention_scaling: float = field(init=False, repr=False)
     # longrope with no pinned seq_len: the frequencies a call switches to when
     # its largest position is >= long_from.
     long_inv_freq: np.ndarray | None = field(init=False, repr=False, default=None)
     long_from: int | None = field(init=False, repr=False, default=None)
+    rotation: Rotation = field(init=False, repr=False, compare=False)
     key: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        head_dim = self.head_dim
-        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        head_dim = _as_int(self.head_dim)
+        if head_dim is None or head_dim <= 0 or head_dim % 2:
             raise RopePoolError(
-                f"RopeSpec.head_dim must be a positive even int; got {head_dim!r}. "
+                f"RopeSpec.head_dim must be a positive even int; got {self.head_dim!r}. "
                 "Fix: pass the model's head_dim (e.g. 128)."
             )
-        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
-        if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        rotary_dim = head_dim if self.rotary_dim is None else _as_int(self.rotary_dim)
+        if rotary_dim is None or rotary_dim < 0 or rotary_dim % 2 or rotary_dim > head_dim:
             raise RopePoolError(
-                f"RopeSpec.rotary_dim must be an even int in [2, head_dim={head_dim}]; "
-                f"got {self.rotary_dim!r}. Fix: use head_dim * partial_rotary_factor, rounded to even."
+                f"RopeSpec.rotary_dim must be an even int in [0, head_dim={head_dim}]; "
+                f"got {self.rotary_dim!r}. Fix: use head_dim * partial_rotary_factor, rounded to even "
+                "(0: a layer without RoPE)."
             )
         if self.style not in STYLES:
             raise RopePoolError(
@@ -259,30 +159,40 @@ class RopeSpec:
             raise RopePoolError(f"RopeSpec.base must be > 0; got {self.base!r}. Fix: pass rope_theta.")
         for name in ("max_position_embeddings", "seq_len"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            if value is not None and (_as_int(value) is None or value <= 0):
                 raise RopePoolError(
                     f"RopeSpec.{name} must be a positive int or None; got {value!r}. "
                     "Fix: pass a length in tokens (e.g. 4096), or leave it None."
                 )
+            if value is not None:
+                object.__setattr__(self, name, int(value))
+        section = _check_mrope("RopeSpec", self.mrope_section, self.mrope_interleaved, rotary_dim)
+        object.__setattr__(self, "head_dim", head_dim)
         object.__setattr__(self, "rotary_dim", rotary_dim)
         object.__setattr__(self, "base", float(self.base))
+        object.__setattr__(self, "mrope_section", section)
+        object.__setattr__(self, "mrope_interleaved", bool(self.mrope_interleaved))
         scaling = dict(self.scaling) if self.scaling else {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        fn = _ROPE_TYPES.get(rope_type)
+        fn = ROPE_TYPES.get(rope_type)
         if fn is None:
             raise RopePoolError(
-                f"RopeSpec.scaling['rope_type'] must be one of {sorted(_ROPE_TYPES)}; got {rope_type!r}. "
+                f"RopeSpec.scaling['rope_type'] must be one of {sorted(ROPE_TYPES)}; got {rope_type!r}. "
                 "Fix: use a supported rope type."
             )
-        inv_freq, attention_scaling = fn(self, scaling)
+        inv_freq, attention_scaling = fn(self, scaling) if rotary_dim else (np.zeros(0), 1.0)
         object.__setattr__(self, "inv_freq", np.asarray(inv_freq, dtype=np.float64))
         object.__setattr__(self, "attention_scaling", float(attention_scaling))
-        if rope_type == "longrope" and self.seq_len is None:
+        if rope_type == "longrope" and self.seq_len is None and rotary_dim:
             object.__setattr__(self, "long_inv_freq", _longrope_inv_freq(self, scaling, "long_factor"))
             object.__setattr__(self, "long_from", int(_original_max(self, scaling, "longrope")))
+        sets = [self.inv_freq] + ([] if self.long_inv_freq is None else [self.long_inv_freq])
+        object.__setattr__(self, "rotation", Rotation(
+            rotary_dim, self.style == "gptj", self.attention_scaling, np.stack(sets).astype(np.float32),
+            self.long_from, None, section, self.mrope_interleaved))
         object.__setattr__(self, "key", (
             head_dim, rotary_dim, self.base, self.style, _freeze(scaling),
-            self.max_position_embeddings, self.seq_len,
+            self.max_position_embeddings, self.seq_len, section, self.mrope_interleaved,
         ))
 
     def at_seq_len(self, seq_len: int | None) -> "RopeSpec":
@@ -290,52 +200,18 @@ class RopeSpec:
         return dataclasses.replace(self, seq_len=seq_len)
 
     @classmethod
-    def from_hf_config(cls, config, *, seq_len: int | None = None) -> "RopeSpec":
-        """The RoPE of a transformers config: a ``PretrainedConfig`` or its dict (config.json) form.
+    def from_hf_config(cls, config, *, style: str | None = None, seq_len: int | None = None) -> "RopeSpec":
+        """The RoPE of a transformers config (a ``PretrainedConfig`` or its dict form); see docs/models.md."""
+        from .hf_config import spec_from_config
 
-        Reads both spellings: transformers 5 keeps ``rope_theta``,
-        ``partial_rotary_factor`` and the scaling keys in ``rope_parameters``;
-        older configs keep ``rope_theta`` at the top level next to
-        ``rope_scaling``. GPT-NeoX's ``rotary_emb_base`` / ``rotary_pct`` and
-        GPT-J's ``rotary_dim`` (interleaved, style "gptj") are read too.
-        """
-        get = config.get if isinstance(config, Mapping) else (lambda name: getattr(config, name, None))
+        return spec_from_config(cls, config, style=style, seq_len=seq_len)
 
-        def first(*values):
-            return next((v for v in values if v is not None), None)
+    @classmethod
+    def for_layers(cls, config, *, style: str | None = None, seq_len: int | None = None) -> "list[RopeSpec]":
+        """One spec per decoder layer (Gemma 3's two RoPEs, per-layer-type parameters, NoPE layers)."""
+        from .hf_config import specs_for_layers
 
-        # transformers lets rope_scaling win when a config carries both spellings
-        params = dict(first(get("rope_scaling"), get("rope_parameters")) or {})
-        if any(isinstance(v, Mapping) for v in params.values()):
-            raise RopePoolError(
-                f"RopeSpec.from_hf_config reads one RoPE per model; got rope_parameters per layer type "
-                f"{sorted(params)}. Fix: build one RopeSpec per layer type from "
-                "config.rope_parameters[layer_type] with RopeSpec(head_dim=..., base=..., scaling=...)."
-            )
-        base = first(params.pop("rope_theta", None), get("rope_theta"), get("rotary_emb_base"), 10000.0)
-        partial = first(params.pop("partial_rotary_factor", None), get("partial_rotary_factor"), get("rotary_pct"), 1.0)
-        params.setdefault("rope_type", first(params.pop("type", None), "default"))
-        if params["rope_type"] in ("llama3", "yarn", "longrope") and get("original_max_position_embeddings"):
-            # Phi-3 keeps it at the top level; transformers prefers that over the dict's
-            params["original_max_position_embeddings"] = get("original_max_position_embeddings")
-
-        hidden, heads = first(get("hidden_size"), get("n_embd")), first(get("num_attention_heads"), get("n_head"))
-        head_dim = get("head_dim") or (hidden // heads if hidden and heads else None)
-        if head_dim is None:
-            raise RopePoolError(
-                "RopeSpec.from_hf_config needs head_dim, or hidden_size and num_attention_heads, in the config; "
-                f"got head_dim=None, hidden_size={hidden!r}, num_attention_heads={heads!r}. "
-                "Fix: pass the model's full config, or build RopeSpec(head_dim=...) directly."
-            )
-        if get("model_type") == "gptj":
-            style, rotary_dim = "gptj", get("rotary_dim") or head_dim
-        else:
-            style, rotary_dim = "neox", int(head_dim * partial)
-        return cls(
-            head_dim=head_dim, rotary_dim=rotary_dim, base=base, style=style,
-            scaling=params if params["rope_type"] != "default" else None,
-            max_position_embeddings=first(get("max_position_embeddings"), get("n_positions")), seq_len=seq_len,
-        )
+        return specs_for_layers(cls, config, style=style, seq_len=seq_len)
 
     @property
     def rope_type(self) -> str:
@@ -347,6 +223,62 @@ class RopeSpec:
 
     def __eq__(self, other):
         return isinstance(other, RopeSpec) and self.key == other.key
+
+
+class CosSinCache:
+    """An engine's own cos/sin table, used as it is (vLLM, sglang and FlashInfer format).
+
+    Parameters
+    ----------
+    cos_sin_cache : [max_position, rotary_dim] array of q's framework and device
+        Row ``p`` holds ``cos(p * f_0 .. f_{r/2-1})`` then ``sin(...)``, in
+        float32, float16 or bfloat16. ``rotary_dim`` is its width (partial
+        rotary when smaller than head_dim).
+    is_neox : bool
+        NeoX pairs ``(x[i], x[i + r/2])``; False: GPT-J pairs ``(x[2i], x[2i+1])``.
+    mrope_section, mrope_interleaved
+        As in RopeSpec: ``[3, T]`` positions pick each frequency's row.
+
+    The kernel gathers row ``positions[t]`` instead of computing angles. A
+    position outside ``[0, max_position)`` raises where checking needs no
+    device sync; on CUDA that token is rotated by zero and its pool write is
+    skipped (docs/rope.md).
+    """
+
+    def __init__(self, cos_sin_cache, is_neox: bool = True, mrope_section=None, mrope_interleaved: bool = False):
+        fw = framework_of(cos_sin_cache)
+        if fw is None:
+            raise TypeError(f"CosSinCache expects cos_sin_cache as a torch.Tensor, mx.array or numpy.ndarray; got "
+                            f"{type(cos_sin_cache).__name__}. Fix: pass the engine's [max_position, rotary_dim] table.")
+        shape = tuple(cos_sin_cache.shape)
+        if len(shape) != 2 or shape[1] % 2 or not shape[1] or not shape[0]:
+            raise RopePoolError(f"CosSinCache expects cos_sin_cache of shape [max_position, rotary_dim] with an even "
+                                f"rotary_dim > 0; got {list(shape)}. Fix: pass the engine's table (cos half, then sin "
+                                "half), e.g. vLLM's rotary_emb.cos_sin_cache.")
+        if dtype_name(cos_sin_cache) not in FLOAT_DTYPES:
+            raise RopePoolError(f"CosSinCache expects a float32, float16 or bfloat16 table; got "
+                                f"{dtype_name(cos_sin_cache)}. Fix: cos_sin_cache.float().")
+        if fw == "torch" and cos_sin_cache.stride(-1) != 1:
+            raise RopePoolError(f"CosSinCache expects a table whose last dim is contiguous; got strides "
+                                f"{list(cos_sin_cache.stride())}. Fix: cos_sin_cache.contiguous().")
+        self.cos_sin_cache = cos_sin_cache
+        self.is_neox = bool(is_neox)
+        self.max_position, self.rotary_dim = shape
+        section = _check_mrope("CosSinCache", mrope_section, mrope_interleaved, self.rotary_dim)
+        self.mrope_section, self.mrope_interleaved = section, bool(mrope_interleaved)
+        self.rotation = Rotation(self.rotary_dim, not self.is_neox, 1.0, None, None, cos_sin_cache,
+                                 section, self.mrope_interleaved)
+
+    def __repr__(self):
+        return (f"CosSinCache([{self.max_position}, {self.rotary_dim}] {dtype_name(self.cos_sin_cache)}, "
+                f"is_neox={self.is_neox}, mrope_section={self.mrope_section})")
+
+
+def _as_int(value) -> int | None:
+    """An int from an int or a NumPy integer; None for anything else (bools included)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    return None
 
 
 def _freeze(x):

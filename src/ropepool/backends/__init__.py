@@ -20,15 +20,15 @@ from ..errors import RopePoolError
 class Backend:
     name: str
     framework: str
-    module: str  # holds run(call, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+    module: str  # holds prepare(call, tuning) -> an object whose bind(*arrays) gives the runner
     why_not: Callable[[object], str | None]  # given q; None when it can run
 
-    def load(self) -> Callable:
-        """The backend's ``run`` (its module is imported on first use, never while dynamo traces)."""
-        run = _LOADED.get(self.module)
-        if run is None:
-            run = _LOADED[self.module] = importlib.import_module(self.module, __name__).run
-        return run
+    def load(self):
+        """The backend's module, imported on first use."""
+        mod = _LOADED.get(self.module)
+        if mod is None:
+            mod = _LOADED[self.module] = importlib.import_module(self.module, __name__)
+        return mod
 
 
 _LOADED: dict = {}

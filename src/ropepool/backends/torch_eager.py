@@ -1,79 +1,119 @@
-"""The PyTorch path: vectorised tensor code that runs on any torch device.
+"""The PyTorch path: the array math of ``arraymath`` on torch tensors, for any torch device.
 
 It is the CPU implementation and the fallback where Triton is missing. On a
 GPU the boolean mask of valid slots makes it synchronise with the device; the
-Triton kernel does not.
+Triton kernel does not. Pools are written in place through views.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
-import numpy as np
 import torch
 
+from ..dtypes import FP8_MAX
 from ..layout import page_and_row, paged_view
-
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
-@lru_cache(maxsize=256)
-def freq_table(spec, device: torch.device) -> torch.Tensor:
-    """float32 ``[n_sets, rotary_dim // 2]``: row 0 the frequencies, row 1 longrope's long ones."""
-    rows = [spec.inv_freq] if spec.long_inv_freq is None else [spec.inv_freq, spec.long_inv_freq]
-    return torch.from_numpy(np.stack(rows).astype(np.float32)).to(device)
+from . import arraymath
 
 
-def cos_sin(spec, positions: torch.Tensor):
-    """float32 ``cos, sin [T, rotary_dim // 2]``, attention scaling included."""
-    table = freq_table(spec, positions.device)
-    inv_freq = table[0]
-    if spec.long_from is not None:
-        # Decided on the device (no sync): any position past the original
-        # context switches the whole call to the long factors.
-        use_long = (positions.max() >= spec.long_from) if positions.numel() else torch.tensor(False)
-        inv_freq = torch.where(use_long.to(table.device), table[1], table[0])
-    ang = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    return ang.cos() * spec.attention_scaling, ang.sin() * spec.attention_scaling
+class TorchOps:
+    """What arraymath needs, spelled for torch."""
+
+    cos, sin, rsqrt, where, clip = torch.cos, torch.sin, torch.rsqrt, torch.where, torch.clamp
+
+    @staticmethod
+    def f32(x):
+        return x.float()
+
+    @staticmethod
+    def cat(xs, axis):
+        return torch.cat(xs, dim=axis)
+
+    @staticmethod
+    def stack(xs, axis):
+        return torch.stack(xs, dim=axis)
+
+    @staticmethod
+    def take(x, idx, axis):
+        return x.index_select(axis, idx.long())
+
+    @staticmethod
+    def take_along(x, idx, axis):
+        return torch.gather(x, axis, idx.long())
+
+    @staticmethod
+    def all_last(x):
+        return x.all(-1)
+
+    @staticmethod
+    def mean_last(x):
+        return x.mean(-1, keepdim=True)
+
+    @staticmethod
+    def numel(x):
+        return x.numel()
+
+    @staticmethod
+    def const(values, like):
+        return device_array(values, like.device)
 
 
-def rotate(x: torch.Tensor, cos, sin, spec) -> torch.Tensor:
-    r = spec.rotary_dim
-    xf = x[..., :r].float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    if spec.style == "neox":
-        x1, x2 = xf.chunk(2, dim=-1)
-        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+def _to_device(values, device):
+    return torch.from_numpy(values).to(device)
+
+
+def device_array(values, device) -> torch.Tensor:
+    """A NumPy array of a Rotation (frequencies, MRoPE rows) on ``device``, made once
+    (under torch.compile: a constant of the graph)."""
+    if torch.compiler.is_compiling():
+        return _to_device(values, device)
+    return arraymath.constant(values, _to_device, device)
+
+
+def as_tensor_scale(scale, like):
+    """A float scale as a float32 tensor: PyTorch's CUDA kernels turn division by a Python
+    number into a multiplication by its reciprocal (an fp8 step off, now and then)."""
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale
+    return torch.full((), scale, dtype=torch.float32, device=like.device)
+
+
+class Prepared:
+    def __init__(self, call):
+        self.call = call
+
+    def bind(self, *arrays):
+        return self.run
+
+    def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
+        call, rot, ops = self.call, self.call.rotation, TorchOps
+        freqs = None if rot.table is not None or not rot.rotary_dim else device_array(rot.freqs, q.device)
+        cos, sin, ok = arraymath.cos_sin(rot, positions, freqs, rot.table, ops) if rot.rotary_dim else (None,) * 3
+        qw, kw = (None, None) if call.norm is None else call.norm.weights
+        k3, v3 = (k, v) if k.ndim == 3 else (k[:, None], v[:, None])  # MLA: one latent head
+        q_rot = _out(arraymath.rope_and_norm(q, cos, sin, rot, call.norm, qw, ops), q, q_out, call.q_fp8, call.q_scale)
+        k32 = arraymath.rope_and_norm(k3, cos, sin, rot, call.norm, kw, ops)
+        k_rot = _out(k32.view(k.shape), k, k_out, call.k_fp8, call.k_out_scale)
+        k_rows = k32.to(k.dtype) if call.k_fp8 else k_rot.view(k3.shape)  # what the pool stores: k_rot in k's dtype
+        # Out-of-range slots are masked, not only negative ones: on a GPU nothing
+        # has checked them, and no input may write outside the pool.
+        write = (slots >= 0) & (slots < call.pool_size)
+        if ok is not None:
+            write &= ok
+        page, row = page_and_row(slots[write].long(), call.pool.page_size)
+        for pool, rows, scale in ((k_pool, k_rows, call.k_scale), (v_pool, v3, call.v_scale)):
+            rows = rows[write]
+            if call.fp8:
+                rows = arraymath.quantize(rows.float(), as_tensor_scale(scale, q), FP8_MAX[call.fp8], ops)
+            paged_view(pool, call.pool).index_put_((page, row), rows.to(pool.dtype))
+        return q_rot, k_rot, k_pool, v_pool
+
+
+def _out(x32, like, out, fp8, scale):
+    """The output in ``like``'s dtype (or quantized to an fp8 ``out``), in ``out`` if given."""
+    if fp8:
+        y = arraymath.quantize(x32, as_tensor_scale(scale, like), FP8_MAX[fp8], TorchOps).to(out.dtype)
     else:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-    if r < x.shape[-1]:
-        return torch.cat((rot.to(x.dtype), x[..., r:]), dim=-1)
-    return rot.to(x.dtype)
+        y = x32.to(like.dtype)
+    return y if out is None else out.copy_(y)
 
 
-def store(rows: torch.Tensor, pool_dtype, scale) -> torch.Tensor:
-    if scale is None:
-        return rows
-    if not isinstance(scale, torch.Tensor):
-        # PyTorch's CUDA kernels turn division by a Python number into a
-        # multiplication by its reciprocal (an fp8 step off, now and then).
-        scale = torch.full((), scale, dtype=torch.float32, device=rows.device)
-    top = FP8_MAX[pool_dtype]
-    return (rows.float() / scale).clamp(-top, top).to(pool_dtype)
-
-
-def run(call, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
-    spec = call.spec
-    cos, sin = cos_sin(spec, positions)
-    q_rot, k_rot = rotate(q, cos, sin, spec), rotate(k, cos, sin, spec)
-    if q_out is not None:
-        q_rot = q_out.copy_(q_rot)
-    if k_out is not None:
-        k_rot = k_out.copy_(k_rot)
-    # Out-of-range slots are masked, not only negative ones: on a GPU nothing
-    # has checked them, and no input may write outside the pool.
-    write = (slots >= 0) & (slots < call.pool_size)
-    page, row = page_and_row(slots[write].long(), call.page_size)
-    for pool, rows, scale in ((k_pool, k_rot, call.k_scale), (v_pool, v, call.v_scale)):
-        paged_view(pool, call).index_put_((page, row), store(rows[write], pool.dtype, scale))
-    return q_rot, k_rot, k_pool, v_pool
+def prepare(call, tuning):
+    return Prepared(call)

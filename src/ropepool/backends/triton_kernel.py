@@ -1,13 +1,22 @@
-"""The fused kernel: RoPE on q and k, k_rot and v into the pool, one launch.
+"""The fused kernel: per-head norm, RoPE on q and k, k_rot and v into the pool, one launch.
 
 One program per token, or per part of a token's heads when a call has too
 few tokens to fill the GPU (grid axis 1 splits the heads). Every load is
 issued before the first use, so a program waits for memory once, not once
 per tensor (that is what keeps a decode-sized call near the launch floor).
-cos/sin are computed once per (token, frequency) and reused for every head,
-accurately at any angle (see _cos_sin). Pool stores are masked by
-``0 <= slot < pool_size``, so no slot value can write outside the pool, and
-need no device sync. Strides are compile-time constants (an engine has a
+
+A head is held as three tiles: the two halves of each rotated pair (``x1``,
+``x2``: NeoX halves or GPT-J evens/odds) and the features past rotary_dim
+(``xp``). Each feature of the call is a constexpr over those tiles: the
+norm (a head_dim reduction on the row already in registers), MRoPE (each
+frequency picks one of three position rows), the engine's cos/sin table
+instead of computed angles, fp8 pools and fp8 q/k outputs, a latent head of
+another width (MLA's ``DV``). cos/sin are computed once per (token,
+frequency) and reused for every head, accurately at any angle (``_cos_sin``).
+
+Pool stores are masked by ``0 <= slot < pool_size`` (and, with a table, a
+position inside it), so no input can write outside the pool, and nothing
+needs a device sync. Strides are compile-time constants (an engine has a
 handful of layouts), which gives the compiler the alignment it needs for
 wide accesses; addresses are int64.
 """
@@ -53,31 +62,75 @@ def _cos_sin(ang):
 
 
 @triton.jit
-def _to_pool(x, pool_ptr, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+def _rms_norm(x1, x2, xp, w_ptr, d1, d2, j, mi, mj, eps, offset, D: tl.constexpr, HAS_W: tl.constexpr):
+    """The three tiles of [heads] rows, each row times rsqrt(mean(row^2) + eps) (and offset + weight)."""
+    ss = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(xp * xp, 1)
+    r = tl.rsqrt(ss / D + eps)[:, None]
+    x1, x2, xp = x1 * r, x2 * r, xp * r
+    if HAS_W:
+        x1 = x1 * (tl.load(w_ptr + d1, mask=mi, other=0.0).to(tl.float32) + offset)
+        x2 = x2 * (tl.load(w_ptr + d2, mask=mi, other=0.0).to(tl.float32) + offset)
+        xp = xp * (tl.load(w_ptr + j, mask=mj, other=0.0).to(tl.float32) + offset)
+    return x1, x2, xp
+
+
+@triton.jit
+def _fp8(x, scale, out_ptr, FP8_MAX: tl.constexpr):
+    """``x / scale`` saturated to the fp8 range, rounded once (IEEE division, as PyTorch's)."""
+    y = tl.div_rn(x.to(tl.float32), scale)
+    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _store_out(ptr, x, mask, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     if FP8:
-        # Quantize the row the caller gets back (in q's dtype), saturating.
-        y = x.to(tl.float32) / scale
-        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(pool_ptr.dtype.element_ty)
+        tl.store(ptr, _fp8(x, scale, ptr, FP8_MAX), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _to_pool(x, pool_ptr, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    if FP8:  # quantize the row the caller gets back (in k's dtype), saturating
+        return _fp8(x, scale, pool_ptr, FP8_MAX)
     else:
         return x.to(pool_ptr.dtype.element_ty)
 
 
-@triton.jit(do_not_specialize=["pool_size"])
+@triton.jit
+def _scale(value, ptr, head, mask, MODE: tl.constexpr):
+    """A scale: 0 the float given, 1 one element at ptr, 2 one per KV head."""
+    if MODE == 1:
+        return tl.load(ptr)
+    elif MODE == 2:
+        return tl.load(ptr + head, mask=mask, other=1.0)
+    else:
+        return value
+
+
+@triton.jit(do_not_specialize=["pool_size", "pos_row_stride", "max_position"])
 def rope_pool_kernel(
-    q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, use_long, k_scale_ptr, v_scale_ptr,
-    pool_size, k_scale, v_scale, attention_scaling,
+    q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, table, use_long, q_weight, k_weight,
+    k_scale_ptr, v_scale_ptr, q_scale_ptr, ko_scale_ptr,
+    pool_size, pos_row_stride, max_position, k_scale, v_scale, q_scale, ko_scale, attention_scaling, eps,
+    weight_offset,
     Q_ST: tl.constexpr, Q_SH: tl.constexpr, K_ST: tl.constexpr, K_SH: tl.constexpr,
     V_ST: tl.constexpr, V_SH: tl.constexpr, QO_ST: tl.constexpr, QO_SH: tl.constexpr,
-    KO_ST: tl.constexpr, KO_SH: tl.constexpr,
-    KP_PAGE: tl.constexpr, KP_ROW: tl.constexpr, KP_SH: tl.constexpr,
+    KO_ST: tl.constexpr, KO_SH: tl.constexpr, KP_PAGE: tl.constexpr, KP_ROW: tl.constexpr, KP_SH: tl.constexpr,
     VP_PAGE: tl.constexpr, VP_ROW: tl.constexpr, VP_SH: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr,
-    BHQ: tl.constexpr, BHKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    BLOCK_D: tl.constexpr, LONGROPE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    SCALE_PTR: tl.constexpr,
+    TABLE_ST: tl.constexpr, NUM_KV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    DV: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr, BHQ: tl.constexpr, BHKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_DV: tl.constexpr,
+    LONGROPE: tl.constexpr, TABLE: tl.constexpr, MROPE: tl.constexpr, S_T: tl.constexpr, S_H: tl.constexpr,
+    S_W: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr,
+    NORM: tl.constexpr, Q_W: tl.constexpr, K_W: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_MODE: tl.constexpr,
+    Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, Q_SCALE_MODE: tl.constexpr,
+    K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, K_SCALE_MODE: tl.constexpr,
 ):
     # Tiles are [head, feature]. HQ and HKV are the heads of one program:
-    # program (t, g) takes heads g * HQ ... of q and g * HKV ... of k and v.
+    # program (t, g) takes heads g * HQ ... of q and g * HKV ... of k and v
+    # (none of k and v past NUM_KV: MQA and MLA split q heads alone).
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     HALF: tl.constexpr = ROT // 2
@@ -85,71 +138,117 @@ def rope_pool_kernel(
     hk = tl.arange(0, BHKV)[:, None]
     q_head = g * HQ + hq  # the heads in memory
     kv_head = g * HKV + hk
+    mqh = hq < HQ
+    mkh = (hk < HKV) & (kv_head < NUM_KV)
     i = tl.arange(0, BLOCK_HALF)[None, :]
+    mi = i < HALF
     if GPTJ:
         d1 = 2 * i
         d2 = 2 * i + 1
     else:
         d1 = i
         d2 = i + HALF
-    mq = (hq < HQ) & (i < HALF)
-    mk = (hk < HKV) & (i < HALF)
+    j = ROT + tl.arange(0, BLOCK_PASS)[None, :]
+    mj = j < D
+    dv = tl.arange(0, BLOCK_DV)[None, :]
 
     # All loads first.
-    pos = tl.load(positions + t).to(tl.float32)
     slot = tl.load(slots + t).to(tl.int64)
-    if LONGROPE:
-        inv_freq = tl.load(freqs + i + tl.load(use_long).to(tl.int32) * HALF, mask=i < HALF, other=0.0)
-    else:
-        inv_freq = tl.load(freqs + i, mask=i < HALF, other=0.0)
     q_row = q + t * Q_ST + q_head * Q_SH
     k_row = k + t * K_ST + kv_head * K_SH
-    q1 = tl.load(q_row + d1, mask=mq).to(tl.float32)
-    q2 = tl.load(q_row + d2, mask=mq).to(tl.float32)
-    k1 = tl.load(k_row + d1, mask=mk).to(tl.float32)
-    k2 = tl.load(k_row + d2, mask=mk).to(tl.float32)
-    dv = tl.arange(0, BLOCK_D)[None, :]
-    mv = (hk < HKV) & (dv < D)
-    vals = tl.load(v + t * V_ST + kv_head * V_SH + dv, mask=mv)
-    if BLOCK_PASS > 0:
-        j = ROT + tl.arange(0, BLOCK_PASS)[None, :]
-        mqp = (hq < HQ) & (j < D)
-        mkp = (hk < HKV) & (j < D)
-        q_pass = tl.load(q_row + j, mask=mqp)
-        k_pass = tl.load(k_row + j, mask=mkp)
-    if SCALE_PTR:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+    vals = tl.load(v + t * V_ST + kv_head * V_SH + dv, mask=mkh & (dv < DV))
+    pos_ok = slot == slot  # the token's positions are inside the table (always, without one)
+    if ROT > 0:
+        p0 = tl.load(positions + t).to(tl.int64)
+        if MROPE:  # each frequency's row of [3, T] positions (API.md 5.2)
+            p1 = tl.load(positions + pos_row_stride + t).to(tl.int64)
+            p2 = tl.load(positions + 2 * pos_row_stride + t).to(tl.int64)
+            if MROPE_INTERLEAVED:
+                row = tl.where((i % 3 == 1) & (i < 3 * S_H), 1, tl.where((i % 3 == 2) & (i < 3 * S_W), 2, 0))
+            else:
+                row = (i >= S_T).to(tl.int32) + (i >= S_T + S_H).to(tl.int32)
+            pos = tl.where(row == 1, p1, tl.where(row == 2, p2, p0))
+        else:
+            pos = p0
+        if TABLE:
+            if MROPE:
+                pos_ok = (p0 >= 0) & (p0 < max_position) & (p1 >= 0) & (p1 < max_position) & (p2 >= 0) & \
+                    (p2 < max_position)
+            else:
+                pos_ok = (p0 >= 0) & (p0 < max_position)
+            at = table + tl.where(pos_ok, pos, 0) * TABLE_ST + i  # never outside the table
+            cos = tl.load(at, mask=mi, other=1.0).to(tl.float32)
+            sin = tl.load(at + HALF, mask=mi, other=0.0).to(tl.float32)
+        elif LONGROPE:
+            inv_freq = tl.load(freqs + i + tl.load(use_long).to(tl.int32) * HALF, mask=mi, other=0.0)
+        else:
+            inv_freq = tl.load(freqs + i, mask=mi, other=0.0)
+        q1 = tl.load(q_row + d1, mask=mqh & mi, other=0.0).to(tl.float32)
+        q2 = tl.load(q_row + d2, mask=mqh & mi, other=0.0).to(tl.float32)
+        k1 = tl.load(k_row + d1, mask=mkh & mi, other=0.0).to(tl.float32)
+        k2 = tl.load(k_row + d2, mask=mkh & mi, other=0.0).to(tl.float32)
+    else:  # a layer without RoPE: the pass-through tile is the whole head
+        q1 = tl.zeros([BHQ, BLOCK_HALF], tl.float32)
+        q2 = q1
+        k1 = tl.zeros([BHKV, BLOCK_HALF], tl.float32)
+        k2 = k1
+    if ROT < D:
+        q_pass = tl.load(q_row + j, mask=mqh & mj, other=0.0).to(tl.float32)
+        k_pass = tl.load(k_row + j, mask=mkh & mj, other=0.0).to(tl.float32)
+    else:
+        q_pass = tl.zeros([BHQ, BLOCK_PASS], tl.float32)
+        k_pass = tl.zeros([BHKV, BLOCK_PASS], tl.float32)
+    k_scale = _scale(k_scale, k_scale_ptr, kv_head, mkh, SCALE_MODE)
+    v_scale = _scale(v_scale, v_scale_ptr, kv_head, mkh, SCALE_MODE)
+    q_scale = _scale(q_scale, q_scale_ptr, 0, True, Q_SCALE_MODE)
+    ko_scale = _scale(ko_scale, ko_scale_ptr, 0, True, K_SCALE_MODE)
 
-    cos, sin = _cos_sin(pos * inv_freq)
-    cos = cos * attention_scaling
-    sin = sin * attention_scaling
+    if NORM == 1:  # normalise, then rotate (Qwen3, Gemma 3)
+        q1, q2, q_pass = _rms_norm(q1, q2, q_pass, q_weight, d1, d2, j, mi, mj, eps, weight_offset, D, Q_W)
+        k1, k2, k_pass = _rms_norm(k1, k2, k_pass, k_weight, d1, d2, j, mi, mj, eps, weight_offset, D, K_W)
+    if ROT > 0:
+        if TABLE:
+            cos = tl.where(pos_ok, cos, 1.0)
+            sin = tl.where(pos_ok, sin, 0.0)
+        else:
+            cos, sin = _cos_sin(pos.to(tl.float32) * inv_freq)
+            cos = cos * attention_scaling
+            sin = sin * attention_scaling
+        q1, q2 = q1 * cos - q2 * sin, q1 * sin + q2 * cos
+        k1, k2 = k1 * cos - k2 * sin, k1 * sin + k2 * cos
+    if NORM == 2:  # rotate, then normalise (Llama 4)
+        q1, q2, q_pass = _rms_norm(q1, q2, q_pass, q_weight, d1, d2, j, mi, mj, eps, weight_offset, D, Q_W)
+        k1, k2, k_pass = _rms_norm(k1, k2, k_pass, k_weight, d1, d2, j, mi, mj, eps, weight_offset, D, K_W)
 
     qo_row = q_out + t * QO_ST + q_head * QO_SH
-    tl.store(qo_row + d1, (q1 * cos - q2 * sin).to(q_out.dtype.element_ty), mask=mq)
-    tl.store(qo_row + d2, (q1 * sin + q2 * cos).to(q_out.dtype.element_ty), mask=mq)
-    k1r = (k1 * cos - k2 * sin).to(k_out.dtype.element_ty)
-    k2r = (k1 * sin + k2 * cos).to(k_out.dtype.element_ty)
     ko_row = k_out + t * KO_ST + kv_head * KO_SH
-    tl.store(ko_row + d1, k1r, mask=mk)
-    tl.store(ko_row + d2, k2r, mask=mk)
-    if BLOCK_PASS > 0:
-        tl.store(qo_row + j, q_pass, mask=mqp)
-        tl.store(ko_row + j, k_pass, mask=mkp)
+    if ROT > 0:
+        _store_out(qo_row + d1, q1, mqh & mi, q_scale, Q_FP8, Q_FP8_MAX)
+        _store_out(qo_row + d2, q2, mqh & mi, q_scale, Q_FP8, Q_FP8_MAX)
+        _store_out(ko_row + d1, k1, mkh & mi, ko_scale, K_FP8, K_FP8_MAX)
+        _store_out(ko_row + d2, k2, mkh & mi, ko_scale, K_FP8, K_FP8_MAX)
+    if ROT < D:
+        _store_out(qo_row + j, q_pass, mqh & mj, q_scale, Q_FP8, Q_FP8_MAX)
+        _store_out(ko_row + j, k_pass, mkh & mj, ko_scale, K_FP8, K_FP8_MAX)
+    # The pool stores k_rot as returned in k's dtype, whatever k_out holds.
+    k1 = k1.to(k.dtype.element_ty)
+    k2 = k2.to(k.dtype.element_ty)
+    k_pass = k_pass.to(k.dtype.element_ty)
 
     # Pool rows. A skipped or out-of-range slot masks every head off; masks
     # come from comparisons only (the interpreter mishandles a tensor mask
     # ANDed with a scalar bool).
-    write = (slot >= 0) & (slot < pool_size)
+    write = (slot >= 0) & (slot < pool_size) & pos_ok
     p_heads = tl.where(write, HKV, 0)
     slot = tl.where(write, slot, 0)
     page = slot // PAGE_SIZE
-    row = slot % PAGE_SIZE
-    kp_row = k_pool + page * KP_PAGE + row * KP_ROW + kv_head * KP_SH
-    vp_row = v_pool + page * VP_PAGE + row * VP_ROW + kv_head * VP_SH
-    mkw = (hk < p_heads) & (i < HALF)
-    tl.store(kp_row + d1, _to_pool(k1r, k_pool, k_scale, FP8, FP8_MAX), mask=mkw)
-    tl.store(kp_row + d2, _to_pool(k2r, k_pool, k_scale, FP8, FP8_MAX), mask=mkw)
-    if BLOCK_PASS > 0:
-        tl.store(kp_row + j, _to_pool(k_pass, k_pool, k_scale, FP8, FP8_MAX), mask=(hk < p_heads) & (j < D))
-    tl.store(vp_row + dv, _to_pool(vals, v_pool, v_scale, FP8, FP8_MAX), mask=(hk < p_heads) & (dv < D))
+    in_page = slot % PAGE_SIZE
+    kp_row = k_pool + page * KP_PAGE + in_page * KP_ROW + kv_head * KP_SH
+    vp_row = v_pool + page * VP_PAGE + in_page * VP_ROW + kv_head * VP_SH
+    mkw = (hk < p_heads) & (kv_head < NUM_KV)
+    if ROT > 0:
+        tl.store(kp_row + d1, _to_pool(k1, k_pool, k_scale, FP8, FP8_MAX), mask=mkw & mi)
+        tl.store(kp_row + d2, _to_pool(k2, k_pool, k_scale, FP8, FP8_MAX), mask=mkw & mi)
+    if ROT < D:
+        tl.store(kp_row + j, _to_pool(k_pass, k_pool, k_scale, FP8, FP8_MAX), mask=mkw & mj)
+    tl.store(vp_row + dv, _to_pool(vals, v_pool, v_scale, FP8, FP8_MAX), mask=mkw & (dv < DV))

@@ -1,0 +1,152 @@
+"""Plans: a checked Call bound to a backend, and the cache that skips checks for a layout already seen.
+
+The flow is one-way: ``validate`` describes a call (a frozen ``Call``),
+``make`` picks a backend and lets it prepare its launch state once (a
+``Plan``), and ``Plan.bind`` gives the function that runs calls of that
+layout. Tuning values (warps, the head split) are an argument of ``make``,
+never module globals.
+
+On CUDA the host time of a decode step is mostly Python, so calls on torch
+tensors are remembered: ``lookup`` finds the runner of an earlier call with
+the same scalar arguments whose tensors have the same type, dtype, device,
+sizes (except the token count) and strides, compared in one C++ call
+(dynamo's ``TensorGuards``). Without TensorGuards every call is checked in
+full. Nothing here imports torch unless the call's arrays are torch tensors.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from . import backends
+from .dtypes import tracing
+from .validate import Call, check_host_values
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The Triton launcher's choices; None picks the measured default for the call (docs/benchmarks.md)."""
+
+    num_warps: int | None = None
+    head_split: int | None = None  # programs a token's heads are split over, at up to small_tokens tokens
+    small_tokens: int = 64
+
+
+DEFAULT_TUNING = Tuning()
+
+
+class Plan:
+    """A Call and the backend that runs it, with that backend's launch state."""
+
+    _by_id: list = []  # plans the custom op refers to by index (see triton_op)
+
+    def __init__(self, call: Call, backend: backends.Backend, tuning: Tuning = DEFAULT_TUNING):
+        self.call, self.backend, self.tuning = call, backend, tuning
+        self.prepared = backend.load().prepare(call, tuning)
+        self._id = None
+
+    def bind(self, *arrays) -> Callable:
+        """The function running calls whose arrays are laid out like ``arrays``."""
+        return self.prepared.bind(*arrays)
+
+    @property
+    def id(self) -> int:
+        """An int the custom op carries through torch.compile in place of this object."""
+        if self._id is None:
+            self._id = len(Plan._by_id)
+            Plan._by_id.append(self)
+        return self._id
+
+    @staticmethod
+    def by_id(i: int) -> "Plan":
+        return Plan._by_id[i]
+
+
+def make(call: Call, q, backend: str | None = None, tuning: Tuning = DEFAULT_TUNING) -> Plan:
+    return Plan(call, backends.pick(call.framework, q, backend), tuning)
+
+
+# --- the torch layout cache --------------------------------------------------------------------
+
+_SEEN: dict = {}  # (scalars, their types) -> [(guard, runner, call to value-check or None)]
+_MAX_KEYS = 4096
+_compiling = None  # torch.compiler.is_compiling, once a torch call is remembered
+
+
+def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
+    """The runner of an earlier call with these scalars and this tensor layout, or None.
+
+    ``arrays``: q, k, v, positions, slots, k_pool, v_pool, q_out, k_out.
+    Scalars equal but of another type (``layer=True`` after ``layer=1``)
+    are another key: they must be rejected by a full check.
+    """
+    if not _SEEN or _compiling():  # under torch.compile tensors are fakes: every call is traced in full
+        return None
+    try:
+        entries = _SEEN.get((scalars, tuple(map(type, scalars))))
+    except TypeError:  # an unhashable argument (rope={...}): checked in full, and rejected there
+        return None
+    if entries:
+        tensors = arrays[:7] if arrays[7] is None and arrays[8] is None else tuple(x for x in arrays if x is not None)
+        for guard, run, values in entries:
+            # The same memory for both pools is the one thing a layout cannot show.
+            if guard.check(*tensors) and arrays[5].data_ptr() != arrays[6].data_ptr():
+                if values is not None:
+                    check_host_values(values, arrays[3], arrays[4])
+                return run
+    return None
+
+
+def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
+    """Keep ``run`` for later calls like this one (torch tensors with memory only)."""
+    global _compiling
+    if call.framework != "torch" or tracing("torch"):
+        return
+    tensors = tuple(x for x in arrays if x is not None)
+    # Only plain tensors: a subclass may change what validation saw.
+    torch = sys.modules["torch"]
+    _compiling = torch.compiler.is_compiling
+    if any(type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type == "meta" for x in tensors):
+        return
+    guard = _tensor_guard(tensors, arrays[3].ndim == 2)
+    if guard is None:
+        return
+    try:
+        key = (scalars, tuple(map(type, scalars)))
+        if len(_SEEN) > _MAX_KEYS:
+            _SEEN.clear()
+        entries = _SEEN.setdefault(key, [])
+    except TypeError:
+        return
+    entries.append((guard, run, call if call.host_values else None))
+    del entries[:-8]  # a few layouts per key in practice; never many
+
+
+def forget() -> None:
+    """Drop every remembered layout (after tuning changes, in tests)."""
+    _SEEN.clear()
+
+
+def _tensor_guard(tensors, mrope_positions: bool):
+    """A C++ check of the tensors' type, dtype, device, sizes but the token count, and strides; None if
+    this torch has no TensorGuards (calls are then checked in full every time)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except Exception:  # a private API: its absence only turns the cache off
+        return None
+    sizes, strides = [], []
+    for i, x in enumerate(tensors):
+        size, stride = list(x.shape), list(x.stride())
+        if i in (0, 1, 2, 4) or i > 6:  # q, k, v, slots, q_out, k_out: dim 0 is the token
+            size[0] = None
+        if i == 3:  # positions: the last dim is the token; [3, T]'s row stride is T
+            size[-1] = None
+            if mrope_positions:
+                stride[0] = None
+        sizes.append(size)
+        strides.append(stride)
+    try:
+        return TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+    except Exception:
+        return None
