@@ -66,13 +66,9 @@ def cos_sin(rot: Rotation, positions, freqs, table, ops):
 
 
 def normalize(x, weight, norm, ops):
-    """RMS-normalise float32 ``x [T, H, D]`` over D, times ``weight_offset + weight``."""
+    """RMS-normalise float32 ``x [T, H, D]`` over D, times ``weight_offset + weight`` (no weight: 1)."""
     y = x * ops.rsqrt(ops.mean_last(x * x) + norm.eps)
-    if weight is not None:
-        y = y * (ops.f32(weight) + norm.weight_offset)
-    elif norm.weight_offset != 0.0:
-        y = y * norm.weight_offset
-    return y
+    return y if weight is None else y * (ops.f32(weight) + norm.weight_offset)
 
 
 def rotate(x, cos, sin, rot: Rotation, ops):

@@ -98,35 +98,30 @@ def _to_pool(x, pool_ptr, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _scale(value, ptr, head, mask, MODE: tl.constexpr):
-    """A scale: 0 the float given, 1 one element at ptr, 2 one per KV head."""
-    if MODE == 1:
-        return tl.load(ptr)
-    elif MODE == 2:
+def _scale(ptr, head, mask, PER_HEAD: tl.constexpr):
+    """A float32 scale: one element, or one per KV head."""
+    if PER_HEAD:
         return tl.load(ptr + head, mask=mask, other=1.0)
     else:
-        return value
+        return tl.load(ptr)
 
 
-@triton.jit(do_not_specialize=["pool_size", "pos_row_stride", "max_position"])
+@triton.jit(do_not_specialize=["pool_size", "pos_row_stride"])
 def rope_pool_kernel(
     q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, table, use_long, q_weight, k_weight,
-    k_scale_ptr, v_scale_ptr, q_scale_ptr, ko_scale_ptr,
-    pool_size, pos_row_stride, max_position, k_scale, v_scale, q_scale, ko_scale, attention_scaling, eps,
-    weight_offset,
+    k_scale_ptr, v_scale_ptr, q_scale_ptr, ko_scale_ptr, pool_size, pos_row_stride,
     Q_ST: tl.constexpr, Q_SH: tl.constexpr, K_ST: tl.constexpr, K_SH: tl.constexpr,
     V_ST: tl.constexpr, V_SH: tl.constexpr, QO_ST: tl.constexpr, QO_SH: tl.constexpr,
     KO_ST: tl.constexpr, KO_SH: tl.constexpr, KP_PAGE: tl.constexpr, KP_ROW: tl.constexpr, KP_SH: tl.constexpr,
     VP_PAGE: tl.constexpr, VP_ROW: tl.constexpr, VP_SH: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    TABLE_ST: tl.constexpr, NUM_KV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    TABLE_ST: tl.constexpr, MAX_POSITION: tl.constexpr, ATTENTION_SCALING: tl.constexpr, NUM_KV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr, BHQ: tl.constexpr, BHKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_DV: tl.constexpr,
     LONGROPE: tl.constexpr, TABLE: tl.constexpr, MROPE: tl.constexpr, S_T: tl.constexpr, S_H: tl.constexpr,
     S_W: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr,
-    NORM: tl.constexpr, Q_W: tl.constexpr, K_W: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_MODE: tl.constexpr,
-    Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, Q_SCALE_MODE: tl.constexpr,
-    K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, K_SCALE_MODE: tl.constexpr,
+    NORM: tl.constexpr, Q_W: tl.constexpr, K_W: tl.constexpr, EPS: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, PER_HEAD_SCALES: tl.constexpr,
+    Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr,
 ):
     # Tiles are [head, feature]. HQ and HKV are the heads of one program:
     # program (t, g) takes heads g * HQ ... of q and g * HKV ... of k and v
@@ -172,10 +167,10 @@ def rope_pool_kernel(
             pos = p0
         if TABLE:
             if MROPE:
-                pos_ok = (p0 >= 0) & (p0 < max_position) & (p1 >= 0) & (p1 < max_position) & (p2 >= 0) & \
-                    (p2 < max_position)
+                pos_ok = (p0 >= 0) & (p0 < MAX_POSITION) & (p1 >= 0) & (p1 < MAX_POSITION) & (p2 >= 0) & \
+                    (p2 < MAX_POSITION)
             else:
-                pos_ok = (p0 >= 0) & (p0 < max_position)
+                pos_ok = (p0 >= 0) & (p0 < MAX_POSITION)
             at = table + tl.where(pos_ok, pos, 0) * TABLE_ST + i  # never outside the table
             cos = tl.load(at, mask=mi, other=1.0).to(tl.float32)
             sin = tl.load(at + HALF, mask=mi, other=0.0).to(tl.float32)
@@ -198,27 +193,36 @@ def rope_pool_kernel(
     else:
         q_pass = tl.zeros([BHQ, BLOCK_PASS], tl.float32)
         k_pass = tl.zeros([BHKV, BLOCK_PASS], tl.float32)
-    k_scale = _scale(k_scale, k_scale_ptr, kv_head, mkh, SCALE_MODE)
-    v_scale = _scale(v_scale, v_scale_ptr, kv_head, mkh, SCALE_MODE)
-    q_scale = _scale(q_scale, q_scale_ptr, 0, True, Q_SCALE_MODE)
-    ko_scale = _scale(ko_scale, ko_scale_ptr, 0, True, K_SCALE_MODE)
+    if FP8:
+        k_scale = _scale(k_scale_ptr, kv_head, mkh, PER_HEAD_SCALES)
+        v_scale = _scale(v_scale_ptr, kv_head, mkh, PER_HEAD_SCALES)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    q_scale = 1.0
+    ko_scale = 1.0
+    if Q_FP8:
+        q_scale = tl.load(q_scale_ptr)
+    if K_FP8:
+        ko_scale = tl.load(ko_scale_ptr)
 
     if NORM == 1:  # normalise, then rotate (Qwen3, Gemma 3)
-        q1, q2, q_pass = _rms_norm(q1, q2, q_pass, q_weight, d1, d2, j, mi, mj, eps, weight_offset, D, Q_W)
-        k1, k2, k_pass = _rms_norm(k1, k2, k_pass, k_weight, d1, d2, j, mi, mj, eps, weight_offset, D, K_W)
+        q1, q2, q_pass = _rms_norm(q1, q2, q_pass, q_weight, d1, d2, j, mi, mj, EPS, WEIGHT_OFFSET, D, Q_W)
+        k1, k2, k_pass = _rms_norm(k1, k2, k_pass, k_weight, d1, d2, j, mi, mj, EPS, WEIGHT_OFFSET, D, K_W)
     if ROT > 0:
         if TABLE:
             cos = tl.where(pos_ok, cos, 1.0)
             sin = tl.where(pos_ok, sin, 0.0)
         else:
             cos, sin = _cos_sin(pos.to(tl.float32) * inv_freq)
-            cos = cos * attention_scaling
-            sin = sin * attention_scaling
+            if ATTENTION_SCALING != 1.0:
+                cos = cos * ATTENTION_SCALING
+                sin = sin * ATTENTION_SCALING
         q1, q2 = q1 * cos - q2 * sin, q1 * sin + q2 * cos
         k1, k2 = k1 * cos - k2 * sin, k1 * sin + k2 * cos
     if NORM == 2:  # rotate, then normalise (Llama 4)
-        q1, q2, q_pass = _rms_norm(q1, q2, q_pass, q_weight, d1, d2, j, mi, mj, eps, weight_offset, D, Q_W)
-        k1, k2, k_pass = _rms_norm(k1, k2, k_pass, k_weight, d1, d2, j, mi, mj, eps, weight_offset, D, K_W)
+        q1, q2, q_pass = _rms_norm(q1, q2, q_pass, q_weight, d1, d2, j, mi, mj, EPS, WEIGHT_OFFSET, D, Q_W)
+        k1, k2, k_pass = _rms_norm(k1, k2, k_pass, k_weight, d1, d2, j, mi, mj, EPS, WEIGHT_OFFSET, D, K_W)
 
     qo_row = q_out + t * QO_ST + q_head * QO_SH
     ko_row = k_out + t * KO_ST + kv_head * KO_SH

@@ -19,7 +19,6 @@ which inductor may lay out differently from eager.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import List, Optional
 
 import torch
@@ -34,7 +33,7 @@ _CONSTEXPRS = [n for n, p in inspect.signature(rope_pool_kernel.fn).parameters.i
                if p.annotation in ("tl.constexpr", triton.language.constexpr)]
 _STRIDES = ("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "KO_ST", "KO_SH",
             "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH", "TABLE_ST")
-_FLOAT_FEATURES = ("FP8_MAX", "Q_FP8_MAX", "K_FP8_MAX")
+_FLOAT_FEATURES = ("FP8_MAX", "Q_FP8_MAX", "K_FP8_MAX", "ATTENTION_SCALING", "EPS", "WEIGHT_OFFSET")
 _INT_FEATURES = tuple(n for n in _CONSTEXPRS if n not in _STRIDES and n not in _FLOAT_FEATURES)
 _KERNELS: dict = {}  # (constexpr values, warps, ...) -> compiled kernel, shared by every launcher
 _LAUNCHERS: dict = {}  # Launcher.args -> Launcher, for the custom op
@@ -65,16 +64,12 @@ def default_warps(call) -> int:
     return 2 if elements <= 8192 else 4 if elements <= 16384 else 8
 
 
-def _scale_mode(*scales) -> int:
-    """0: floats; 1: one element each (a float beside a tensor becomes one); 2: one per KV head."""
-    tensors = [s for s in scales if isinstance(s, torch.Tensor)]
-    if not tensors:
-        return 0
-    return 2 if any(s.numel() > 1 for s in tensors) else 1
-
-
 def _features(call, split: int) -> dict:
-    """The kernel's constexprs that do not depend on strides (ints, and the three fp8 maxima)."""
+    """The kernel's constexprs that do not depend on strides (ints, and the floats of _FLOAT_FEATURES).
+
+    Attention scaling, eps and the weight offset are constants of a model, so
+    they are compiled in; scales are read through pointers, since engines
+    keep one per layer (or update them)."""
     rot, norm = call.rotation, call.norm
     hq, hkv = call.num_qo_heads // split, -(-call.num_kv_heads // split)
     section = rot.mrope_section or (0, 0, 0)
@@ -83,70 +78,63 @@ def _features(call, split: int) -> dict:
         DV=call.v_head_dim, ROT=rot.rotary_dim, GPTJ=rot.gptj, BHQ=_p2(hq), BHKV=_p2(hkv),
         BLOCK_HALF=_p2(rot.rotary_dim // 2), BLOCK_PASS=_p2(call.head_dim - rot.rotary_dim),
         BLOCK_DV=_p2(call.v_head_dim), LONGROPE=rot.long_from is not None and rot.table is None,
-        TABLE=rot.table is not None, MROPE=call.position_rows == 3, S_T=section[0], S_H=section[1],
+        TABLE=rot.table is not None, MAX_POSITION=0 if rot.table is None else rot.table.shape[0],
+        MROPE=call.position_rows == 3, S_T=section[0], S_H=section[1],
         S_W=section[2], MROPE_INTERLEAVED=rot.mrope_interleaved,
         NORM=0 if norm is None else 2 if norm.after_rope else 1,
         Q_W=norm is not None and norm.q_weight is not None, K_W=norm is not None and norm.k_weight is not None,
-        FP8=call.fp8 is not None, SCALE_MODE=_scale_mode(call.k_scale, call.v_scale),
-        Q_FP8=call.q_fp8 is not None, Q_SCALE_MODE=_scale_mode(call.q_scale),
-        K_FP8=call.k_fp8 is not None, K_SCALE_MODE=_scale_mode(call.k_out_scale),
+        FP8=call.fp8 is not None, PER_HEAD_SCALES=any(_numel(s) > 1 for s in (call.k_scale, call.v_scale)),
+        Q_FP8=call.q_fp8 is not None, K_FP8=call.k_fp8 is not None,
     )
     ints = {n: int(c[n]) for n in _INT_FEATURES}  # bools as ints: one spelling, one compiled kernel
-    maxima = (FP8_MAX.get(call.fp8, 0.0), FP8_MAX.get(call.q_fp8, 0.0), FP8_MAX.get(call.k_fp8, 0.0))
-    return {**ints, **dict(zip(_FLOAT_FEATURES, maxima))}
+    eps, offset = (1.0, 0.0) if norm is None else (norm.eps, norm.weight_offset)
+    floats = (FP8_MAX.get(call.fp8, 0.0), FP8_MAX.get(call.q_fp8, 0.0), FP8_MAX.get(call.k_fp8, 0.0),
+              rot.attention_scaling, eps, offset)
+    return {**ints, **dict(zip(_FLOAT_FEATURES, floats))}
 
 
-def _float(s) -> float:
-    return 1.0 if s is None or isinstance(s, torch.Tensor) else float(s)
+def _numel(scale) -> int:
+    return scale.numel() if isinstance(scale, torch.Tensor) else 1
 
 
 class Launcher:
     """What the kernel is launched with besides the tensors: plain data.
 
     ``features``: constexprs for calls of up to ``small_tokens`` tokens (heads
-    split over ``split`` programs) and for larger ones. ``scalars``: k_scale,
-    v_scale, q_scale, k_out_scale (floats where not tensors), attention
-    scaling, norm eps and weight offset. ``where``: the pool layout's
-    arguments (layer or -1, kv_layout or "", headed).
+    split over ``split`` programs) and for larger ones. ``where``: the pool
+    layout's arguments (layer or -1, kv_layout or "", headed).
     """
 
-    def __init__(self, small: dict, large: dict, scalars: tuple, small_tokens: int, split: int, warps: int,
-                 max_position: int, where: tuple):
+    def __init__(self, small: dict, large: dict, small_tokens: int, split: int, warps: int, where: tuple):
         self.features = (small, large)
-        self.scalars, self.small_tokens, self.split, self.warps = scalars, small_tokens, split, warps
-        self.max_position, self.where = max_position, where
+        self.small_tokens, self.split, self.warps, self.where = small_tokens, split, warps, where
         self._bound: dict = {}
 
     @classmethod
     def for_call(cls, call, tuning) -> "Launcher":
-        rot, norm = call.rotation, call.norm
         split = tuning.head_split or default_split(call)
-        eps, offset = (1.0, 0.0) if norm is None else (norm.eps, norm.weight_offset)
-        scalars = (_float(call.k_scale), _float(call.v_scale), _float(call.q_scale), _float(call.k_out_scale),
-                   rot.attention_scaling, eps, offset)
         geom = call.pool
         where = (-1 if geom.layer is None else geom.layer, geom.kv_layout or "", int(geom.headed))
-        return cls(_features(call, split), _features(call, 1), scalars, tuning.small_tokens, split,
-                   tuning.num_warps or default_warps(call), 0 if rot.table is None else rot.table.shape[0], where)
+        return cls(_features(call, split), _features(call, 1), tuning.small_tokens, split,
+                   tuning.num_warps or default_warps(call), where)
 
     def args(self) -> tuple:
-        """This launcher as the custom op's arguments (lists of ints and floats, a str)."""
+        """This launcher as the custom op's arguments: lists of ints and floats, and a str."""
         small, large = self.features
         return ([small[n] for n in _INT_FEATURES], [large[n] for n in _INT_FEATURES],
                 [small[n] for n in _FLOAT_FEATURES],
-                [self.small_tokens, self.split, self.warps, self.max_position, self.where[0], self.where[2]],
-                list(self.scalars), self.where[1])
+                [self.small_tokens, self.split, self.warps, self.where[0], self.where[2]], self.where[1])
 
     @classmethod
-    def from_args(cls, small, large, maxima, ints, scalars, kv_layout) -> "Launcher":
-        key = (tuple(small), tuple(large), tuple(maxima), tuple(ints), tuple(scalars), kv_layout)
+    def from_args(cls, small, large, floats, ints, kv_layout) -> "Launcher":
+        key = (tuple(small), tuple(large), tuple(floats), tuple(ints), kv_layout)
         launcher = _LAUNCHERS.get(key)
         if launcher is None:
-            fp8 = dict(zip(_FLOAT_FEATURES, maxima))
-            small_tokens, split, warps, max_position, layer, headed = ints
-            launcher = _LAUNCHERS[key] = cls(
-                {**dict(zip(_INT_FEATURES, small)), **fp8}, {**dict(zip(_INT_FEATURES, large)), **fp8},
-                tuple(scalars), small_tokens, split, warps, max_position, (layer, kv_layout, headed))
+            f = dict(zip(_FLOAT_FEATURES, floats))
+            small_tokens, split, warps, layer, headed = ints
+            launcher = _LAUNCHERS[key] = cls({**dict(zip(_INT_FEATURES, small)), **f},
+                                             {**dict(zip(_INT_FEATURES, large)), **f},
+                                             small_tokens, split, warps, (layer, kv_layout, headed))
         return launcher
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None, table=None):
@@ -155,29 +143,40 @@ class Launcher:
         geom = pool_geometry(k_pool.shape, None if layer < 0 else layer, kv_layout or None, bool(headed))
         kp, vp = paged_view(k_pool, geom), paged_view(v_pool, geom)
         head = lambda x: x.stride(1) if x.ndim == 3 else 0  # noqa: E731  MLA's k_pe / kv_c: one head
-        q_out_strides = (q.shape[1] * q.shape[2], q.shape[2]) if q_out is None else q_out.stride()[:2]
-        k_out_strides = (math.prod(k.shape[1:]), k.shape[-1] if k.ndim == 3 else 0) if k_out is None else (
-            k_out.stride(0), head(k_out))
-        strides = (q.stride(0), q.stride(1), k.stride(0), head(k), v.stride(0), head(v), *q_out_strides,
-                   *k_out_strides, kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1),
+        # New outputs are empty_like(q) and empty_like(k): their strides follow from the layout.
+        qo = torch.empty_like(q) if q_out is None else q_out
+        ko = torch.empty_like(k) if k_out is None else k_out
+        strides = (q.stride(0), q.stride(1), k.stride(0), head(k), v.stride(0), head(v), qo.stride(0), qo.stride(1),
+                   ko.stride(0), head(ko), kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1),
                    vp.stride(2), 0 if table is None else table.stride(0))
         offsets = ((kp.storage_offset() - k_pool.storage_offset()) * k_pool.element_size(),
                    (vp.storage_offset() - v_pool.storage_offset()) * v_pool.element_size())
-        key = (strides, offsets, geom.pool_size)
+        dtypes = (q.dtype, k.dtype, k_pool.dtype, q_out.dtype if q_out is not None else q.dtype,
+                  k_out.dtype if k_out is not None else k.dtype, positions.dtype, slots.dtype, positions.ndim)
+        key = (strides, offsets, geom.pool_size, dtypes)
         launch = self._bound.get(key)
         if launch is None:
             launch = self._bound[key] = _Launch(self, dict(zip(_STRIDES, strides)), offsets, geom.pool_size)
         return launch
 
 
+_stream_of = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+
 class _Launch:
-    """The compiled variants of one launcher for one layout, and the direct launch."""
+    """One launcher bound to one layout (strides, dtypes): its compiled variants and the direct launch.
+
+    Everything that does not change from call to call is worked out here, so
+    a call reads only the data pointers: the host time of a decode step.
+    """
 
     def __init__(self, launcher: Launcher, strides: dict, offsets: tuple, pool_size: int):
         self.launcher, self.offsets, self.pool_size = launcher, offsets, pool_size
         self.constexprs = tuple({n: {**f, **strides}[n] for n in _CONSTEXPRS} for f in launcher.features)
-        self.tails = tuple((*launcher.scalars, *c.values()) for c in self.constexprs)
-        self.kernels: dict = {}
+        self.tails = tuple(tuple(c.values()) for c in self.constexprs)
+        self.kernels: dict = {}  # (variant, alignment) -> compiled kernel
+        self.more = None  # the pointers after the arrays, when they never change (see Prepared.bind)
+        self.direct = [None, None]  # per variant, once compiled: (launch function, its leading args, the tail)
 
     def __call__(self, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras):
         T = q.shape[0]
@@ -185,25 +184,38 @@ class _Launch:
             return
         ln = self.launcher
         variant = 0 if T <= ln.small_tokens else 1
-        split = ln.split if variant == 0 else 1
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                 k_pool.data_ptr() + self.offsets[0], v_pool.data_ptr() + self.offsets[1], q_out.data_ptr(),
-                k_out.data_ptr(), *(None if x is None else x.data_ptr() for x in (extras[0], extras[1], use_long)),
-                *(None if x is None else x.data_ptr() for x in extras[2:]))
-        scalars = (self.pool_size, positions.stride(0) if positions.ndim == 2 else 0, ln.max_position)
+                k_out.data_ptr())
+        direct = self.direct[variant]
+        hooks = triton.knobs.runtime if direct is not None else None
         # Triton specialises on which pointers are 16-byte aligned: almost always all are.
+        if direct is not None and not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7]
+                                       | ptrs[8]) % 16 and hooks.launch_enter_hook is None:
+            # The whole launch of a decode step: nothing is looked up but the stream.
+            launch, lead, tail = direct
+            launch(T, ln.split if variant == 0 else 1, 1, _stream_of(q.device.index), *lead, None, None,
+                   hooks.launch_exit_hook, *ptrs, *tail)
+            return
+        self.launch(T, variant, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras)
+
+    def launch(self, T, variant, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras):
+        """Any call: through the compiled kernel of its alignment, or the JIT the first time."""
+        ln = self.launcher
+        more = _more_pointers(extras, use_long) if self.more is None else self.more
         bits = 0
-        for p in ptrs:
+        for p in ptrs + more:
             bits |= p or 0
-        align = True if bits % 16 == 0 else tuple(p is None or p % 16 == 0 for p in ptrs)
-        dtypes = (q.dtype, k_pool.dtype, q_out.dtype, k_out.dtype, positions.dtype, slots.dtype)
-        kernel = self.kernels.get((variant, align, dtypes))
+        align = True if bits % 16 == 0 else tuple(p is None or p % 16 == 0 for p in ptrs + more)
+        scalars = (self.pool_size, positions.stride(0) if positions.ndim == 2 else 0)
+        kernel = self.kernels.get((variant, align))
+        split = ln.split if variant == 0 else 1
         if kernel is not None:
             # What JITFunction.run does once it has found the compiled kernel.
-            stream = torch._C._cuda_getCurrentRawStream(q.device.index)
+            stream = _stream_of(q.device.index)
             hooks = triton.knobs.runtime
             enter = hooks.launch_enter_hook
-            args = (*ptrs, *scalars, *self.tails[variant])
+            args = (*ptrs, *more, *scalars, *self.tails[variant])
             meta = kernel.launch_metadata((T, split, 1), stream, *args) if enter else None
             kernel.run(T, split, 1, stream, kernel.function, kernel.packed_metadata, meta, enter,
                        hooks.launch_exit_hook, *args)
@@ -214,11 +226,36 @@ class _Launch:
                  for p, off in zip((k_pool, v_pool), self.offsets)]
         kernel = rope_pool_kernel[(T, split, 1)](
             q, k, v, positions, slots, *pools, q_out, k_out, extras[0], extras[1], use_long, *extras[2:],
-            *scalars, *ln.scalars, **self.constexprs[variant], num_warps=ln.warps)
-        if not _INTERPRET and _fast_launch_ok(kernel):
-            key = (tuple(self.constexprs[variant].values()), ln.warps, dtypes, align, self.pool_size >= 2**31,
-                   tuple(x is None for x in (*extras, use_long)))
-            self.kernels[(variant, align, dtypes)] = _KERNELS.setdefault(key, kernel)
+            *scalars, **self.constexprs[variant], num_warps=ln.warps)
+        if _INTERPRET or not _fast_launch_ok(kernel):
+            return
+        key = (tuple(self.constexprs[variant].values()), ln.warps, align, self.pool_size >= 2**31,
+               tuple(x is None for x in more), q.dtype, k.dtype, k_pool.dtype, q_out.dtype, k_out.dtype,
+               positions.dtype, slots.dtype)
+        kernel = self.kernels[(variant, align)] = _KERNELS.setdefault(key, kernel)
+        if align is True and self.more is not None and positions.ndim == 1:
+            self.direct[variant] = (*_direct_launch(kernel), (*more, *scalars, *self.tails[variant]))
+
+
+def _direct_launch(kernel) -> tuple:
+    """(function, leading args) that launch ``kernel`` given (grid, stream, leading args, launch metadata,
+    enter hook, exit hook, kernel args).
+
+    Triton 3.6's CudaLauncher.__call__ only allocates scratch memory (none for
+    this kernel) before calling its C launch function: calling that directly
+    skips two Python frames per launch. Other versions go through kernel.run.
+    """
+    run = kernel.run
+    if (triton.__version__.startswith("3.6.") and hasattr(run, "launch") and not run.global_scratch_size
+            and not run.profile_scratch_size):
+        return run.launch, (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                            kernel.packed_metadata)
+    return run, (kernel.function, kernel.packed_metadata)
+
+
+def _more_pointers(extras, use_long) -> tuple:
+    """freqs, table, use_long, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale as pointers."""
+    return tuple(None if x is None else x.data_ptr() for x in (extras[0], extras[1], use_long, *extras[2:]))
 
 
 def _fast_launch_ok(kernel) -> bool:
@@ -227,12 +264,11 @@ def _fast_launch_ok(kernel) -> bool:
         hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
 
 
-def _scale_tensors(device, *scales):
-    """Scales the kernel reads through a pointer (a float beside a tensor becomes one), else None."""
-    if not any(isinstance(s, torch.Tensor) for s in scales):
-        return (None,) * len(scales)
-    return tuple(s if isinstance(s, torch.Tensor) else torch.tensor([float(s)], dtype=torch.float32, device=device)
-                 for s in scales)
+def _scale_tensor(scale, device):
+    """A scale as the kernel reads it: a float32 tensor (a float becomes one, made once per plan)."""
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale
+    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
 
 
 class Prepared:
@@ -249,28 +285,37 @@ class Prepared:
             call, rot = self.call, self.call.rotation
             qw, kw = (None, None) if call.norm is None else call.norm.weights
             freqs = device_array(rot.freqs, device) if rot.table is None and rot.rotary_dim else None
-            got = self._extras[device] = (freqs, rot.table, qw, kw, *_scale_tensors(device, call.k_scale, call.v_scale),
-                                          *_scale_tensors(device, call.q_scale), *_scale_tensors(device,
-                                                                                                call.k_out_scale))
+            scales = (call.k_scale, call.v_scale, call.q_scale, call.k_out_scale)
+            got = self._extras[device] = (freqs, rot.table, qw, kw, *(_scale_tensor(s, device) for s in scales))
         return got
+
+    def fixed_pointers(self) -> bool:
+        """Whether the kernel's extra tensors are all ropepool's own or the engine's table, whose memory
+        stays put; norm weights and tensor scales belong to the caller and are read on every call."""
+        call = self.call
+        weights = call.norm is not None and any(w is not None for w in call.norm.weights)
+        scales = any(isinstance(s, torch.Tensor) for s in (call.k_scale, call.v_scale, call.q_scale,
+                                                          call.k_out_scale))
+        return not weights and not scales and (call.rotation.long_from is None or call.rotation.table is not None)
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         """The runner for calls laid out like these arrays (under torch.compile: one that calls the op)."""
         extras = self.extras(q.device)
         long_from = self.call.rotation.long_from if self.call.rotation.table is None else None
-        contiguous = torch.contiguous_format
         if torch.compiler.is_compiling():
             launch, op_args = None, self.launcher.args()
         else:
             launch = self.launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
                                         self.call.rotation.table)
+            if self.fixed_pointers():
+                launch.more = _more_pointers(extras, None)
 
         def run(q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
-            # empty_like costs half of new_empty(shape) on the host (no size argument to parse).
+            # empty_like is the cheapest allocation on the host (no size to parse, no format to apply).
             if q_out is None:
-                q_out = torch.empty_like(q, memory_format=contiguous)
+                q_out = torch.empty_like(q)
             if k_out is None:
-                k_out = torch.empty_like(k, memory_format=contiguous)
+                k_out = torch.empty_like(k)
             use_long = positions.max() >= long_from if long_from is not None and q.shape[0] else None
             if launch is None:
                 rope_pool_op(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, *extras, *op_args)
@@ -287,9 +332,9 @@ def rope_pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: t
                  use_long: Optional[torch.Tensor], freqs: Optional[torch.Tensor], table: Optional[torch.Tensor],
                  q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],
-                 k_out_scale: Optional[torch.Tensor], small: List[int], large: List[int], maxima: List[float],
-                 ints: List[int], scalars: List[float], kv_layout: str) -> None:
-    launcher = Launcher.from_args(small, large, maxima, ints, scalars, kv_layout)
+                 k_out_scale: Optional[torch.Tensor], small: List[int], large: List[int], floats: List[float],
+                 ints: List[int], kv_layout: str) -> None:
+    launcher = Launcher.from_args(small, large, floats, ints, kv_layout)
     launch = launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, table)
     launch(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long,
            (freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale))
