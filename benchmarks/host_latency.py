@@ -43,6 +43,25 @@ def per_call_us(fn, calls=400):
     return best
 
 
+def parts_of_a_call(T, args, kw):
+    """The cache lookup, the output allocations and the direct launch of one call, timed alone."""
+    q, k = args[:2]
+    ropepool.rope_pool_fused(*args, **kw)
+    arrays = (*args, None, None)
+    scalars = (kw["head_dim"], kw["num_qo_heads"], kw["num_kv_heads"], kw["rope_base"], None, None, None, None, None,
+               None, None, None, None, True, True)  # api.rope_pool_fused's order
+    print("layout cache:", "on" if plan.lookup(scalars, arrays) is not None else "OFF (no TensorGuards in this torch)")
+    prep = plan.make(validate.check(*args, **kw), q, "triton").prepared
+    launch, extras = prep.launcher.bind(*args), prep.extras(q.device)
+    launch.more = (extras[0].data_ptr(),) + (None,) * 8  # as Prepared.bind sets it
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    return {
+        f"  cache lookup T={T}": lambda: plan.lookup(scalars, arrays),
+        f"  two output allocations T={T}": lambda: (torch.empty_like(q), torch.empty_like(k)),
+        f"  direct launch T={T}": lambda: launch(*args, qo, ko, None, extras),
+    }
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7, help="round-robin rounds; the median is reported")
@@ -64,22 +83,7 @@ def main():
         args = (q, k, v, pos, sl, kp, vp)
         fns[f"rope_pool_fused T={T}"] = lambda args=args: ropepool.rope_pool_fused(*args, **kw)
         if not parts:  # where the time goes, for the first token count
-            ropepool.rope_pool_fused(*args, **kw)
-            arrays = (*args, None, None)
-            scalars = (D, Hq, Hkv, 5e5, None, None, None, None, None, None, None, None, None, True, True)
-            print("layout cache:", "on" if plan.lookup(scalars, arrays) is not None else
-                  "OFF (no TensorGuards in this torch)")
-            prep = plan.make(validate.check(*args, **kw), q, "triton").prepared
-            launch, extras = prep.launcher.bind(*args), prep.extras(q.device)
-            launch.more = (extras[0].data_ptr(),) + (None,) * 8  # as Prepared.bind sets it
-            qo, ko = torch.empty_like(q), torch.empty_like(k)
-            cf = torch.contiguous_format
-            parts = {
-                f"  cache lookup T={T}": lambda: plan.lookup(scalars, arrays),
-                f"  two output allocations T={T}": lambda: (torch.empty_like(q, memory_format=cf),
-                                                            torch.empty_like(k, memory_format=cf)),
-                f"  direct launch T={T}": lambda: launch(q, k, v, pos, sl, kp, vp, qo, ko, None, extras),
-            }
+            parts = parts_of_a_call(T, args, kw)
     fns.update(parts)
     results = {name: [] for name in fns}
     for _ in range(a.rounds):

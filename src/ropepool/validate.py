@@ -18,8 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .dtypes import (FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, MLX_FP8, dtype_name, framework_of,
-                     tracing)
+from .dtypes import FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, MLX_FP8, dtype_name, framework_of, tracing
 from .errors import RopePoolError
 from .layout import KV_LAYOUTS, PoolGeometry, pool_geometry, pool_rank
 from .norm import QKNorm
