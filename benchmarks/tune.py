@@ -11,8 +11,7 @@ import argparse
 
 import torch
 
-from ropepool import bench, validate
-from ropepool.backends import triton_op
+from ropepool import bench, plan, validate
 
 
 def main():
@@ -30,7 +29,6 @@ def main():
         Hq, Hkv, D = bench.GEOMETRIES[gname]
         kp = torch.empty(262144, Hkv, D, dtype=torch.bfloat16, device=dev)
         vp = torch.empty_like(kp)
-        make = bench.providers(Hq, Hkv, D, dev, "flat")["ropepool"]
         for T in map(int, a.tokens.split(",")):
             sets = bench.make_sets(T, Hq, Hkv, D, 262144, torch.bfloat16, dev, 256 << 20, gen)
             nbytes = bench.op_bytes(T, Hq, Hkv, D, 2, 2)
@@ -42,12 +40,11 @@ def main():
                     s["positions"].random_(0, max_pos)
                 ref = bench.reference(sets[0], Hq, Hkv, D)
                 variants = [(w, s) for w in map(int, a.warps.split(",")) for s in map(int, a.splits.split(","))
-                            if Hkv % s == 0 and Hq % s == 0]
+                            if Hq % s == 0]
                 for warps, split in variants:
-                    triton_op.NUM_WARPS = warps
-                    triton_op._split = lambda call, s=split: s
-                    validate._CHECKED.clear()  # new Calls, so the launcher works out the new layout
-                    fns = [make(s, kp, vp) for s in sets]
+                    # The split applies up to small_tokens tokens: here, to this T.
+                    tuning = plan.Tuning(num_warps=warps, head_split=split, small_tokens=max(T, 64))
+                    fns = [runner(s, kp, vp, Hq, Hkv, D, tuning) for s in sets]
                     err = bench.check(fns[0], sets[0], ref, kp, vp, Hkv, D, "flat")
                     if not err <= 2e-2:
                         print(f"{gname} T={T} warps={warps} split={split}: FAILED check ({err:.3g})")
@@ -55,6 +52,14 @@ def main():
                     us = time(fns)[0]
                     print(f"{gname:>14} {T:>6} {max_pos:>8} {warps:>5} {split:>5} {us:8.2f} "
                           f"{copy_us:8.2f} {100 * copy_us / us:6.1f}%", flush=True)
+
+
+def runner(s, kp, vp, Hq, Hkv, D, tuning):
+    """One set's call, planned with ``tuning`` (validation in full once, then the plan's runner)."""
+    arrays = (s["q"], s["k"], s["v"], s["positions"], s["slots"], kp, vp, None, None)
+    call = validate.check(*arrays[:7], head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope_base=bench.BASE)
+    run = plan.make(call, s["q"], "triton", tuning).bind(*arrays)
+    return lambda: run(*arrays)
 
 
 if __name__ == "__main__":
