@@ -241,7 +241,7 @@ class GqaCtx(Ctx):
             return lambda T: gqa_bytes(T, Hq, Hkv, D, q_out=1 if fp8 else 2, k_out=k_out, pool=1 if fp8 else 2,
                                        pos_rows=rows, table=table)
         qkv = ("q", "k", "v", "pos_l", "slots_l")
-        vllm = (vllm_mrope, qkv, self.__dict__.get("table16"), list(spec.mrope_section or ()), spec.mrope_interleaved)
+        vllm = (vllm_mrope, qkv, getattr(self, "table16", None), list(spec.mrope_section or ()), spec.mrope_interleaved)
         every = {
             "ropepool": lambda: Prov(self.ropepool(spec), nb(), "no norm" if self.geo.norm else None),
             "ropepool_table": lambda: Prov(self.ropepool(ropepool.CosSinCache(self.table)), nb(table=4 * D)),
@@ -330,7 +330,7 @@ class MlaCtx(Ctx):
     def providers(self):
         H, L, r = self.geo.heads
         nb = lambda **kw: (lambda T: mla_bytes(T, H, L, r, cache=1 if self.geo.fp8 else 2, **kw))
-        peer = (vllm_mla, ("q_pe", "k_pe", "kv_c", "pos_l", "slots_l"), self.__dict__.get("table16"), self.scale)
+        peer = (vllm_mla, ("q_pe", "k_pe", "kv_c", "pos_l", "slots_l"), getattr(self, "table16", None), self.scale)
         every = {"ropepool": lambda: Prov(self.ropepool, nb()),
                  "flashinfer": lambda: Prov(self.flashinfer, nb(q_out=1, k_out=0, table=4 * r) if self.geo.fp8
                                             else nb(table=4 * r)),
