@@ -36,9 +36,8 @@ def _cos_sin(ang):
 
     tl.cos/tl.sin lower to approximations that lose digits at large angles;
     libdevice's accurate ones switch to a slow exact reduction past ~1e5 rad,
-    which one lane of a warp then runs while the others wait (positions past
-    ~1e5 at the highest frequency: on the H200 that cost 6% of the 8/1/128
-    geometry's time at T = 16384). So the angle is reduced to [-pi/4, pi/4]
+    which one lane of a warp then runs while the others wait (measurable at
+    long contexts: docs/benchmarks.md). So the angle is reduced to [-pi/4, pi/4]
     here, in float64, and libdevice only ever sees small ones; the quadrant
     picks the signs. pi/2 is split into three float32 numbers (Cody-Waite):
     each product with n is exact in float64 for angles below 2^26, and the

@@ -39,7 +39,7 @@ _KERNELS: dict = {}  # (constexpr values, warps, ...) -> compiled kernel, shared
 _LAUNCHERS: dict = {}  # Launcher.args -> Launcher, for the custom op
 
 
-def _p2(n: int) -> int:
+def _tile(n: int) -> int:
     """The power-of-two tile size that holds n (at least 1)."""
     return triton.next_power_of_2(max(n, 1))
 
@@ -47,19 +47,18 @@ def _p2(n: int) -> int:
 def default_split(call) -> int:
     """Programs a decode-sized call's token is split over (at most ``small_tokens`` tokens).
 
-    At T <= 64 one program per token leaves most SMs idle and each program
-    waits on a long row; splitting the q heads over up to 8 programs took the
-    H200's graph-replay time from 2.58 to 2.39-2.44 us (32/8, T = 16) and
-    2.86 to 2.43 (64/8, T = 16). KV heads follow as far as they go (MQA and
-    MLA: program 0 writes the one KV head). From T = 256 on it no longer
-    helps (docs/benchmarks.md).
+    At small T one program per token leaves most SMs idle and each program
+    waits on a long row; splitting the q heads over up to 8 programs is
+    faster there, and no longer helps from a few hundred tokens on (the H200
+    sweep is in docs/benchmarks.md). KV heads follow as far as they go (MQA
+    and MLA: program 0 writes the one KV head).
     """
     return next(s for s in (8, 4, 2, 1) if call.num_qo_heads % s == 0)
 
 
 def default_warps(call) -> int:
-    """Two warps a program won for every Llama-like geometry on the H200; tiles of
-    more than ~8k elements (MLA's 128 heads) get more threads to hold them."""
+    """Two warps a program for Llama-like tiles (the H200 sweep in docs/benchmarks.md); tiles of more
+    than ~8k elements (MLA's 128 heads) get more threads to hold them."""
     elements = (call.num_qo_heads + call.num_kv_heads) * call.head_dim + call.num_kv_heads * call.v_head_dim
     return 2 if elements <= 8192 else 4 if elements <= 16384 else 8
 
@@ -75,9 +74,9 @@ def _features(call, split: int) -> dict:
     section = rot.mrope_section or (0, 0, 0)
     c = dict(
         PAGE_SIZE=call.pool.page_size, NUM_KV=call.num_kv_heads, HQ=hq, HKV=hkv, D=call.head_dim,
-        DV=call.v_head_dim, ROT=rot.rotary_dim, GPTJ=rot.gptj, BHQ=_p2(hq), BHKV=_p2(hkv),
-        BLOCK_HALF=_p2(rot.rotary_dim // 2), BLOCK_PASS=_p2(call.head_dim - rot.rotary_dim),
-        BLOCK_DV=_p2(call.v_head_dim), LONGROPE=rot.long_from is not None and rot.table is None,
+        DV=call.v_head_dim, ROT=rot.rotary_dim, GPTJ=rot.gptj, BHQ=_tile(hq), BHKV=_tile(hkv),
+        BLOCK_HALF=_tile(rot.rotary_dim // 2), BLOCK_PASS=_tile(call.head_dim - rot.rotary_dim),
+        BLOCK_DV=_tile(call.v_head_dim), LONGROPE=rot.long_from is not None and rot.table is None,
         TABLE=rot.table is not None, MAX_POSITION=0 if rot.table is None else rot.table.shape[0],
         MROPE=call.position_rows == 3, S_T=section[0], S_H=section[1],
         S_W=section[2], MROPE_INTERLEAVED=rot.mrope_interleaved,
