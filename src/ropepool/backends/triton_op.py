@@ -142,11 +142,14 @@ class Launcher:
         geom = pool_geometry(k_pool.shape, None if layer < 0 else layer, kv_layout or None, bool(headed))
         kp, vp = paged_view(k_pool, geom), paged_view(v_pool, geom)
         head = lambda x: x.stride(1) if x.ndim == 3 else 0  # noqa: E731  MLA's k_pe / kv_c: one head
-        # New outputs are empty_like(q) and empty_like(k): their strides follow from the layout.
-        qo = torch.empty_like(q) if q_out is None else q_out
-        ko = torch.empty_like(k) if k_out is None else k_out
-        strides = (q.stride(0), q.stride(1), k.stride(0), head(k), v.stride(0), head(v), qo.stride(0), qo.stride(1),
-                   ko.stride(0), head(ko), kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1),
+        # New outputs are contiguous, whatever the token count: strides from the shape alone. (empty_like in
+        # its default format would copy the strides of a one-token view, which the layout cache then reuses
+        # for every token count.)
+        qo = q_out.stride()[:2] if q_out is not None else (q.shape[1] * q.shape[2], q.shape[2])
+        ko = (k_out.stride(0), head(k_out)) if k_out is not None else (
+            (k.shape[1] * k.shape[2], k.shape[2]) if k.ndim == 3 else (k.shape[1], 0))
+        strides = (q.stride(0), q.stride(1), k.stride(0), head(k), v.stride(0), head(v), *qo, *ko,
+                   kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1),
                    vp.stride(2), 0 if table is None else table.stride(0))
         offsets = ((kp.storage_offset() - k_pool.storage_offset()) * k_pool.element_size(),
                    (vp.storage_offset() - v_pool.storage_offset()) * v_pool.element_size())
@@ -301,6 +304,7 @@ class Prepared:
         """The runner for calls laid out like these arrays (under torch.compile: one that calls the op)."""
         extras = self.extras(q.device)
         long_from = self.call.rotation.long_from if self.call.rotation.table is None else None
+        contiguous = torch.contiguous_format
         if torch.compiler.is_compiling():
             launch, op_args = None, self.launcher.args()
         else:
@@ -310,11 +314,11 @@ class Prepared:
                 launch.more = _more_pointers(extras, None)
 
         def run(q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
-            # empty_like is the cheapest allocation on the host (no size to parse, no format to apply).
+            # empty_like is the cheapest allocation on the host (no size argument to parse).
             if q_out is None:
-                q_out = torch.empty_like(q)
+                q_out = torch.empty_like(q, memory_format=contiguous)
             if k_out is None:
-                k_out = torch.empty_like(k)
+                k_out = torch.empty_like(k, memory_format=contiguous)
             use_long = positions.max() >= long_from if long_from is not None and q.shape[0] else None
             if launch is None:
                 rope_pool_op(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, *extras, *op_args)
