@@ -385,7 +385,7 @@ def run_checked(backend: Backend, q, k, v, positions, slots, cache: Cache, *, ro
     (test_features derives each). q_rot / k_rot get that plus the dtype's
     rounding allowance (TOL[dtype] - TOL["float32"]). With
     ``bypass`` the call is checked on valid values and the runner gets these
-    ones (as on CUDA, where values are not read): a slot outside the pool or a
+    ones (on CUDA the public call itself, which reads no values): a slot outside the pool or a
     position outside the table writes nothing, and the oracle sees that
     token's slot as -1 and its position as 0 (table row 0 rotates by zero).
     """
@@ -415,10 +415,11 @@ def run_checked(backend: Backend, q, k, v, positions, slots, cache: Cache, *, ro
                                                                               np.zeros(table.shape[1] // 2)])
         writes &= inside
         pos_np, slots_np = np.where(inside, pos_np, 0), np.where(writes, slots_np, -1)
+    if bypass and X.device != "cuda":  # values are read here: check valid ones, run the plan on these
         call = validate.check(q, k, v, X.array(pos_np), X.array(slots_np), k_pool, v_pool, **fw_kw)
         run = plan.make(call, q, X.name).bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
         out = run(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
-    else:
+    else:  # on CUDA the public call reads no values
         out = ropepool.rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, backend=X.name, **fw_kw)
     q_rot, k_rot, kp, vp = out
     _check_aliasing(X, out, (q, k, v), (k_pool, v_pool), q_out, k_out)
