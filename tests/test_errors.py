@@ -124,7 +124,8 @@ CASES = [
       r"^layer must be in \[-3, 3\) for a pool of 3 layers; got 3"),
     C("layer-before-start", both(pools((LAYERS, P, HKV, D)), change(layer=-4)), ValueError,
       r"^layer must be in \[-3, 3\) for a pool of 3 layers; got -4"),
-    C("layer-float", both(pools((LAYERS, P, HKV, D)), change(layer=1.0)), TypeError, r"^layer must be an int; got float"),
+    C("layer-float", both(pools((LAYERS, P, HKV, D)), change(layer=1.0)), TypeError,
+      r"^layer must be an int; got float"),
     C("kv_layout-unknown", change(kv_layout="nhd"), ValueError, r"^kv_layout must be None, 'NHD' or 'HND'; got 'nhd'"),
     C("kv_layout-with-flat-pool", change(kv_layout="NHD"), ValueError,
       r"^rope_pool_fused expects pool tensors to be 4-D with kv_layout='NHD'; got k_pool of shape "
@@ -246,14 +247,16 @@ CASES = [
     C("norm-weight-on-another-device", change(qk_norm=torch_(lambda t, a: QKNorm(t.ones(D, device="meta"), None))),
       TypeError, r"^qk_norm\.q_weight as a tensor must come from q's framework and device; got torch\.Tensor on meta",
       TORCH),
-    C("qk_norm-not-a-QKNorm", change(qk_norm={"eps": 1e-6}), TypeError, r"^qk_norm must be a ropepool\.QKNorm; got dict"),
+    C("qk_norm-not-a-QKNorm", change(qk_norm={"eps": 1e-6}), TypeError,
+      r"^qk_norm must be a ropepool\.QKNorm; got dict"),
     # fp8 pools and their scales
     C("scales-without-fp8", change(k_scale=1.0, v_scale=1.0), ValueError,
       r"^k_scale/v_scale are for float8 pools; got k_scale/v_scale with a float32 pool"),
     C("fp8-without-scales", fp8(), ValueError,
       r"^a float8_e4m3fn pool needs k_scale= and v_scale= .*; got no k_scale and v_scale"),
     C("fp8-without-v_scale", fp8(k_scale=0.5), ValueError, r"^a float8_e4m3fn pool needs .*; got no v_scale\."),
-    C("fp8-negative-scale", fp8(k_scale=-1.0, v_scale=1.0), ValueError, r"^k_scale must be a finite float > 0; got -1\.0"),
+    C("fp8-negative-scale", fp8(k_scale=-1.0, v_scale=1.0), ValueError,
+      r"^k_scale must be a finite float > 0; got -1\.0"),
     C("fp8-nan-scale", fp8(k_scale=1.0, v_scale=float("nan")), ValueError, r"^v_scale must be a finite float > 0"),
     # Read on the CPU only (MLX would have to evaluate it: the call stays lazy).
     C("fp8-zero-tensor-scale", fp8(k_scale=arr([0.0], np.float32), v_scale=1.0), ValueError,
@@ -508,8 +511,9 @@ def test_validate_slots_accepts_valid(fw):
 
 W = np.ones(D, np.float32)
 CONSTRUCTORS = [
-    C("norm-eps-0", lambda X: QKNorm(None, None, eps=0.0), ValueError, r"^QKNorm eps must be a finite float > 0; got 0\.0"),
-    C("norm-eps-nan", lambda X: QKNorm(None, None, eps=float("nan")), ValueError, r"^QKNorm eps must be a finite float"),
+    C("norm-eps-0", lambda X: QKNorm(None, None, eps=0.0), ValueError,
+      r"^QKNorm eps must be a finite float > 0; got 0\.0"),
+    C("norm-eps-nan", lambda X: QKNorm(None, None, eps=float("nan")), ValueError, r"^QKNorm eps must be a finite"),
     C("norm-eps-inf", lambda X: QKNorm(None, None, eps=float("inf")), ValueError, r"^QKNorm eps must be a finite"),
     C("norm-eps-bool", lambda X: QKNorm(None, None, eps=True), ValueError, r"^QKNorm eps must be a finite float > 0"),
     C("norm-offset-nan", lambda X: QKNorm(None, None, weight_offset=float("nan")), ValueError,
@@ -576,11 +580,13 @@ def valid_latent(X):
 
 
 def caches(ckv, kpe, dtype="float32"):
-    return change(ckv_cache=arr(randn(*ckv, dtype=NP_DTYPES[dtype])), kpe_cache=arr(randn(*kpe, dtype=NP_DTYPES[dtype])))
+    dt = NP_DTYPES[dtype]
+    return change(ckv_cache=arr(randn(*ckv, dtype=dt)), kpe_cache=arr(randn(*kpe, dtype=dt)))
 
 
 LATENT_CASES = [
-    C("rope-missing", change(rope=None), TypeError, r"^rope_latent_fused needs rope=, a RopeSpec or CosSinCache; got None"),
+    C("rope-missing", change(rope=None), TypeError,
+      r"^rope_latent_fused needs rope=, a RopeSpec or CosSinCache; got None"),
     C("q_pe-2d", change(q_pe=lambda a, X: a["q_pe"].reshape(T, HQ * D)), ValueError,
       r"^rope_latent_fused expects q_pe \[T, num_heads, rope_dim\], k_pe \[T, rope_dim\] and kv_c "
       r"\[T, kv_lora_rank\]; got q_pe \[4, 64\]"),

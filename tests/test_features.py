@@ -19,8 +19,20 @@ import numpy as np
 import pytest
 
 from ropepool import CosSinCache, QKNorm, RopeSpec
-from tests.harness import TOL, Cache, assert_same_bits, cos_sin_table, crossed, make_cache, make_positions, \
-    make_slots, poison, randn, run_checked, run_latent_checked
+from tests.harness import (
+    TOL,
+    Cache,
+    assert_same_bits,
+    cos_sin_table,
+    crossed,
+    make_cache,
+    make_positions,
+    make_slots,
+    poison,
+    randn,
+    run_checked,
+    run_latent_checked,
+)
 
 
 def qkv(rng, T, Hq, Hkv, D, dtype, scale=1.0):
@@ -77,12 +89,8 @@ def test_qk_norm(backend, name, dtype, rng):
         assert np.allclose(rms, 1.0, atol=1e-5 + 4 * TOL[dtype]), rms
 
 
-def test_norm_without_weight_ignores_offset(backend, rng, request):
+def test_norm_without_weight_ignores_offset(backend, rng):
     """No weight means g = 1 (API.md 5.1), whatever weight_offset says."""
-    if backend.name in ("torch", "mlx"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "src bug: backends/arraymath.normalize multiplies by weight_offset when the weight is None; "
-            "the contract, the oracle and the Triton kernel use g = 1")))
     norm = QKNorm(None, None, eps=1e-6, weight_offset=0.5)
     call(backend, rng, "float32", 5, 3, 1, 64, qk_norm=norm)
 
@@ -217,8 +225,8 @@ def test_per_head_scales(backend, fp8, kind, rng, request):
     a float beside them)."""
     if kind == "k-only" and backend.name == "triton":
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "src bug: triton_op._scale_tensors makes a float v_scale a one-element tensor, but SCALE_MODE 2 "
-            "loads v_scale_ptr + kv_head for every head: heads >= 1 read past it")))
+            "src bug: triton_op sets one PER_HEAD_SCALES constexpr for k_scale and v_scale; a float v_scale "
+            "beside a per-head k_scale becomes a one-element tensor read at v_scale_ptr + kv_head for every head")))
     Hkv = 3
     k_scale = np.array([0.37, 1.9, 0.05], np.float32)
     v_scale = np.array([2.5, 0.11, 0.7], np.float32) if kind == "k-and-v" else 0.5

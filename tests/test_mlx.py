@@ -116,8 +116,8 @@ def test_uint8_pool_is_e4m3_as_to_fp8_stores_it(scales, rng):
     slots = np.array([3, -1, 0, 7, 15, 9])
     norm = QKNorm(X.array(np.ones(D, np.float32)), None, eps=1e-6)
     q_rot, k_rot, kp, vp = ropepool.rope_pool_fused(
-        q, k, v, X.array(make_positions(rng, T)), mx.array(slots), *pools, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv,
-        k_scale=k_scale, v_scale=v_scale, rope=RopeSpec(head_dim=D, style="gptj"), qk_norm=norm)
+        q, k, v, X.array(make_positions(rng, T)), mx.array(slots), *pools, head_dim=D, num_qo_heads=Hq,
+        num_kv_heads=Hkv, k_scale=k_scale, v_scale=v_scale, rope=RopeSpec(head_dim=D, style="gptj"), qk_norm=norm)
     written = slots[slots >= 0]
     for name, pool, rows, scale in (("k_pool", kp, k_rot, k_scale), ("v_pool", vp, v, v_scale)):
         scale = scale if isinstance(scale, float) else scale[:, None]

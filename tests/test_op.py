@@ -13,8 +13,17 @@ import numpy as np
 import pytest
 
 from ropepool import RopeSpec
-from tests.harness import FLOATS, assert_same_bits, crossed, make_cache, make_positions, make_slots, poison, randn, \
-    run_checked
+from tests.harness import (
+    FLOATS,
+    assert_same_bits,
+    crossed,
+    make_cache,
+    make_positions,
+    make_slots,
+    poison,
+    randn,
+    run_checked,
+)
 
 BIG = pytest.mark.big
 

@@ -8,8 +8,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.harness import assert_same_bits, backend_for, crossed, make_cache, make_positions, make_slots, poison, \
-    randn, run_checked  # noqa: E402
+from tests.harness import (  # noqa: E402
+    assert_same_bits,
+    backend_for,
+    crossed,
+    make_cache,
+    make_positions,
+    make_slots,
+    poison,
+    randn,
+    run_checked,
+)
 
 
 @pytest.fixture(params=["torch", "triton"])

@@ -13,8 +13,20 @@ torch = pytest.importorskip("torch")
 
 import ropepool  # noqa: E402
 from ropepool import CosSinCache, QKNorm, RopeSpec, plan  # noqa: E402
-from tests.harness import TOL, Backend, Cache, assert_same_bits, cos_sin_table, make_cache, make_positions, \
-    make_slots, poison, randn, run_checked, run_latent_checked  # noqa: E402
+from tests.harness import (  # noqa: E402
+    TOL,
+    Backend,
+    Cache,
+    assert_same_bits,
+    cos_sin_table,
+    make_cache,
+    make_positions,
+    make_slots,
+    poison,
+    randn,
+    run_checked,
+    run_latent_checked,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 X = Backend("triton", "cuda")
@@ -186,8 +198,8 @@ def test_fp8_outputs_exact(which, rng):
 @pytest.mark.parametrize("v_scale", [
     pytest.param("per-head", id="both-per-head"),
     pytest.param("float", id="v-float", marks=pytest.mark.xfail(strict=True, reason=(
-        "src bug: triton_op._scale_tensors makes a float v_scale a one-element tensor, but SCALE_MODE 2 reads "
-        "v_scale_ptr + kv_head for every head"))),
+        "src bug: triton_op sets one PER_HEAD_SCALES constexpr for k_scale and v_scale; a float v_scale beside "
+        "a per-head k_scale becomes a one-element tensor read at v_scale_ptr + kv_head for every head"))),
 ])
 def test_per_head_scales(fp8, v_scale, rng):
     k_scale = np.linspace(0.05, 2.0, 8).astype(np.float32)
