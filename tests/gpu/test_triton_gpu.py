@@ -271,7 +271,8 @@ def test_torch_compile_inductor(rng):
     """One compiled function making every feature's call (fullgraph, inductor) == eager, bit for bit."""
     calls = feature_calls(rng)
     ref = copies(calls)
-    plan.forget()  # compiled first: an eager call's cached RopeSpec breaks dynamo (see tests/test_compile.py)
+    want = run_all(ref)  # eager first: it imports the backend (tests/test_compile.py: test_compile_first_in_a_process)
+    plan.forget()  # a remembered RopeSpec breaks dynamo (test_compile_after_an_eager_call_with_a_spec)
     torch._dynamo.reset()
     got = torch.compile(run_all, fullgraph=True)(calls)
-    assert_same(calls, got, ref, run_all(ref))
+    assert_same(calls, got, ref, want)
