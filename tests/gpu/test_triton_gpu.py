@@ -267,6 +267,9 @@ def test_cuda_graph_capture(rng):
     assert_same(calls, out, ref, run_all(ref))
 
 
+@pytest.mark.xfail(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13), strict=True, reason=(
+    "src bug on torch < 2.13 (seen on 2.11, the H200 image): dynamo cannot wrap plan.make's default "
+    "tuning=DEFAULT_TUNING (a frozen dataclass with no source) when it traces Plan.__init__"))
 def test_torch_compile_inductor(rng):
     """One compiled function making every feature's call (fullgraph, inductor) == eager, bit for bit."""
     calls = feature_calls(rng)
