@@ -1,36 +1,103 @@
-"""Adversarial slots for `compute-sanitizer --tool memcheck python benchmarks/memcheck.py`.
+"""Adversarial slots and positions for `compute-sanitizer --tool memcheck python benchmarks/memcheck.py`.
 
-Out-of-range, negative and duplicated slots straight into the kernel (no
-validation), pools that are views inside larger buffers, every layout. The
-sanitizer must report no invalid access; the canaries must be intact.
+Out-of-range and negative slots, and positions outside a CosSinCache (past
+it, negative, huge; MRoPE rows too), straight into the kernel: the public
+call on CUDA reads no values, so nothing checks them. Every pool layout
+(flat, paged NHD / HND, layer-stacked) and MLA's latent caches, each pool a
+view inside a larger buffer whose other bytes are canaries. The sanitizer
+must report no invalid access; the canaries must be intact; no token whose
+slot or position is bad may write.
 """
 import torch
 
-from ropepool.backends import triton_op
-from ropepool.validate import check
+import ropepool
+from ropepool import CosSinCache, RopeSpec
+
+DEV = "cuda"
+T, Hq, Hkv, D, P, MAX_POS = 512, 8, 2, 128, 64, 4096
+# Duplicated in-range slots (7, 7) are a caller's bug: they race, but stay inside the pool.
+BAD_SLOTS = [P, P + 1, 10**9, 2**62, -1, -(2**62), 7, 7, 0, P - 1]
+BAD_POSITIONS = [MAX_POS, -1, 2**62, -(2**62), 2**31 - 1, 5, MAX_POS - 1, 0, 10**9, 3]
+
+
+def table(rotary_dim, scale=1.0):
+    ang = torch.arange(MAX_POS, dtype=torch.float64)[:, None] * torch.tensor(RopeSpec(head_dim=rotary_dim).inv_freq)
+    return (torch.cat([ang.cos(), ang.sin()], 1) * scale).float().to(DEV)
+
+
+def repeat(values, n):
+    return torch.tensor(values, device=DEV).repeat(n // len(values) + 1)[:n]
+
+
+def in_canaries(shape, dtype=torch.bfloat16):
+    """A pool of ``shape`` in the middle third of a buffer, and the buffer (whose other thirds are canaries)."""
+    n = torch.Size(shape).numel()
+    big = torch.randn(3 * n, device=DEV).to(dtype)
+    return big[n: 2 * n].view(shape), big
+
+
+def check_canaries(name, big, before):
+    """Bytes compared (fp8 tensors have no comparison ops)."""
+    big, before = big.view(torch.uint8), before.view(torch.uint8)
+    n = big.numel() // 3
+    outside = torch.cat(((big[:n] != before[:n]), (big[2 * n:] != before[2 * n:])))
+    assert not outside.any(), f"{name}: wrote outside the pool"
+
+
+def pools_case(kv_layout, layers, rope, positions):
+    q, k, v = (torch.randn(T, h, D, device=DEV, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    one = {None: (P, Hkv, D), "NHD": (P // 16, 16, Hkv, D), "HND": (P // 16, Hkv, 16, D)}[kv_layout]
+    shape = ((layers,) if layers else ()) + one
+    (k_pool, k_big), (v_pool, v_big) = in_canaries(shape), in_canaries(shape)
+    before = (k_big.clone(), v_big.clone())
+    ropepool.rope_pool_fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D,
+                             num_qo_heads=Hq, num_kv_heads=Hkv, rope=rope, kv_layout=kv_layout,
+                             layer=-1 if layers else None)
+    torch.cuda.synchronize()
+    name = f"layout {kv_layout or 'flat'}{' layer-stacked' if layers else ''} rope {type(rope).__name__}"
+    check_canaries(name + " k", k_big, before[0])
+    check_canaries(name + " v", v_big, before[1])
+    print(f"{name}: no write outside the pools")
+
+
+def latent_case(rope, positions):
+    q_pe = torch.randn(T, 16, 64, device=DEV, dtype=torch.bfloat16)
+    k_pe, kv_c = torch.randn(T, 64, device=DEV).bfloat16(), torch.randn(T, 512, device=DEV).bfloat16()
+    cache, big = in_canaries((P // 16, 16, 576), torch.float8_e4m3fn)
+    before = big.clone()
+    ropepool.rope_latent_fused(q_pe, k_pe, kv_c, positions, repeat(BAD_SLOTS, T), cache[..., :512], cache[..., 512:],
+                               rope=rope, kv_layout="NHD", scale=0.05)
+    torch.cuda.synchronize()
+    check_canaries(f"MLA {type(rope).__name__}", big, before)
+    print(f"MLA latent cache, rope {type(rope).__name__}: no write outside the caches")
+
+
+def table_positions_never_write():
+    """Positions outside the table write nothing, whatever their slot: a flat pool, all slots good."""
+    q, k, v = (torch.randn(T, h, D, device=DEV, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    kp, vp = (torch.randn(T, Hkv, D, device=DEV).bfloat16() for _ in range(2))
+    before = kp.clone()
+    pos = repeat(BAD_POSITIONS, T)
+    ropepool.rope_pool_fused(q, k, v, pos, torch.arange(T, device=DEV), kp, vp, head_dim=D, num_qo_heads=Hq,
+                             num_kv_heads=Hkv, rope=CosSinCache(table(D)))
+    changed = set((kp != before).flatten(1).any(1).nonzero().flatten().tolist())
+    good = set(((pos >= 0) & (pos < MAX_POS)).nonzero().flatten().tolist())
+    assert changed <= good, f"tokens {sorted(changed - good)} wrote with a position outside the table"
+    print("positions outside the table: those tokens wrote nothing")
 
 
 def main():
-    dev = "cuda"
-    T, Hq, Hkv, D, P = 512, 8, 2, 128, 64
-    q, k, v = (torch.randn(T, h, D, device=dev, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
-    pos = torch.randint(0, 10**6, (T,), device=dev)
-    bad = torch.tensor([P, P + 1, 10**9, 2**62, -1, -(2**62), 7, 7, 0, P - 1], device=dev).repeat(T // 10 + 1)[:T]
-    for kv_layout, shape in ((None, (P, Hkv, D)), ("NHD", (P // 16, 16, Hkv, D)), ("HND", (P // 16, Hkv, 16, D))):
-        big = torch.randn(3 * P * Hkv * D, device=dev, dtype=torch.bfloat16)
-        k_pool = big[P * Hkv * D : 2 * P * Hkv * D].view(shape)
-        v_pool = torch.randn(shape, device=dev, dtype=torch.bfloat16)
-        canary = big.clone()
-        good = torch.arange(T, device=dev) % P  # validation sees a legal call ...
-        call = check(q, k, v, pos, good.clone().fill_(-1), k_pool, v_pool, head_dim=D, num_qo_heads=Hq,
-                     num_kv_heads=Hkv, rope_base=1e4, rope=None, layer=None, k_scale=None, v_scale=None,
-                     kv_layout=kv_layout)
-        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        triton_op.launch(call, q, k, v, pos, bad, k_pool, v_pool, q_out, k_out)  # ... the kernel gets bad slots
-        torch.cuda.synchronize()
-        outside = torch.cat((big[: P * Hkv * D] != canary[: P * Hkv * D], big[2 * P * Hkv * D :] != canary[2 * P * Hkv * D :]))
-        assert not outside.any(), f"{kv_layout}: wrote outside the pool"
-        print(f"layout {kv_layout or 'flat'}: no write outside the pool")
+    pos = torch.randint(0, MAX_POS, (T,), device=DEV)
+    bad_pos = repeat(BAD_POSITIONS, T)
+    bad_pos3 = torch.stack([pos, bad_pos, pos.flip(0)])
+    for kv_layout in (None, "NHD", "HND"):
+        for layers in (None, 3):
+            pools_case(kv_layout, layers, None, pos)
+            pools_case(kv_layout, layers, CosSinCache(table(D)), bad_pos)
+    pools_case("NHD", 3, CosSinCache(table(64), mrope_section=(8, 12, 12)), bad_pos3)
+    latent_case(RopeSpec(head_dim=64, style="gptj"), pos)
+    latent_case(CosSinCache(table(64), is_neox=False), bad_pos)
+    table_positions_never_write()
     print("memcheck driver done")
 
 

@@ -1,42 +1,41 @@
-import importlib.util
+"""Fixtures: ``backend`` (every backend that can run here, or a skip saying why) and ``rng``.
+
+Imports no framework it does not find: the no-torch CI job runs the MLX,
+oracle and validation tests with this conftest.
+"""
 import os
 
+import numpy as np
 import pytest
-import torch
+
+from tests.harness import HAS, backend_for
 
 # Without a GPU the Triton kernel runs under its interpreter, so a broken
 # kernel fails CI too. Must be set before triton is imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if HAS["torch"] and HAS["triton"]:
+    import torch
 
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(params=["torch", "triton"])
-def backend(request):
-    """The torch path, and the Triton kernel (on CUDA, or under the interpreter on CPU)."""
-    if request.param == "triton":
-        if importlib.util.find_spec("triton") is None:
-            pytest.skip("triton is not installed")
-        if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("no GPU, and TRITON_INTERPRET is not 1")
-        if DEVICE == "cpu" and request.node.get_closest_marker("torch_only"):
-            pytest.skip("too big for the Triton CPU interpreter (runs on CUDA)")
-    return request.param
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "torch_only: too big for the Triton CPU interpreter; on CPU the "
-                                       "triton backend skips it (it runs on CUDA)")
+    config.addinivalue_line("markers", "big: too big for the Triton CPU interpreter; there the triton backend "
+                                       "skips it (it runs on CUDA)")
+
+
+@pytest.fixture(params=["torch", "triton", "mlx"])
+def backend(request):
+    """The torch path, the Triton kernel (on CUDA, else under the CPU interpreter) and MLX."""
+    return backend_for(request.param, big=request.node.get_closest_marker("big") is not None)
 
 
 @pytest.fixture
 def rng(request):
-    """A fresh seed each run (ROPEPOOL_SEED=<n> repeats one); a failing test reports it."""
+    """A NumPy generator, a fresh seed each run (ROPEPOOL_SEED=<n> repeats one); a failing test reports it."""
     seed = int(os.environ.get("ROPEPOOL_SEED") or int.from_bytes(os.urandom(4), "little"))
     request.node.user_properties.append(("seed", seed))
-    return torch.Generator().manual_seed(seed)
+    return np.random.default_rng(seed)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import GPTJConfig, GPTNeoXConfig, LlamaConfig, PhiConfig, Phi3Config, Qwen2Config
+from transformers import GPTJConfig, GPTNeoXConfig, LlamaConfig, Phi3Config, PhiConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
