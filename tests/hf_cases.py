@@ -111,7 +111,7 @@ CASES = [
     Case("llama3.2-1b-head64", lambda: tf.LlamaConfig(
         hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
         rope_parameters=dict(LLAMA31, factor=32.0))),
-    Case("llama-dynamic-x2-beyond", dynamic, 20000, pin_seq_len=True, triton_cpu=True),
+    Case("llama-dynamic-x2-beyond", dynamic, 20000, pin_seq_len=True),
     Case("llama-dynamic-x2-within", dynamic, 4095, pin_seq_len=True),
     Case("llama4-scout-rope-layer", llama4, layer=0, triton_cpu=True),
     Case("llama4-scout-nope-layer", llama4, layer=3),
@@ -125,17 +125,17 @@ CASES = [
     Case("qwen2.5-7b-yarn-x4", lambda: tf.Qwen2Config(
         hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6,
         max_position_embeddings=131072,
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}), triton_cpu=True),
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})),
     Case("qwen2-moe-57b", lambda: tf.Qwen2MoeConfig(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
                                                      max_position_embeddings=65536, **theta(1e6))),
     Case("qwen3-8b", lambda: small(tf.Qwen3Config, max_position_embeddings=40960, **theta(1e6))),
     Case("qwen3-30b-a3b-moe", lambda: small(tf.Qwen3MoeConfig, max_position_embeddings=40960, **theta(1e6))),
     Case("qwen3-next-80b-partial-0.25", lambda: small(
         tf.Qwen3NextConfig, head_dim=256, num_hidden_layers=4, max_position_embeddings=262144,
-        **theta(1e7, partial_rotary_factor=0.25)), layer=3, triton_cpu=True),
+        **theta(1e7, partial_rotary_factor=0.25)), layer=3),
     Case("qwen2-vl-7b-mrope-legacy", lambda: qwen_vl(tf.Qwen2VLConfig, {
         "rope_theta": 1e6, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
-        hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, head_dim=None), triton_cpu=True),
+        hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, head_dim=None)),
     Case("qwen2.5-vl-7b-mrope", lambda: qwen_vl(tf.Qwen2_5_VLConfig, {"rope_parameters": {
         "rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}},
         hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, head_dim=None)),
@@ -148,14 +148,14 @@ CASES = [
     Case("gemma3-27b-sliding-layer", gemma3, layer=0),
     Case("gemma3-27b-global-layer-linear-x8", gemma3, layer=5, triton_cpu=True),
     Case("phi3-mini-longrope-short", phi3, 4095),
-    Case("phi3-mini-longrope-long", phi3, low_below=4096, triton_cpu=True),
+    Case("phi3-mini-longrope-long", phi3, low_below=4096),
     Case("phi3-mini-longrope-long-edge", phi3, 4096, low_below=4096),
     Case("phi4-mini-longrope-partial-0.75", lambda: phi3(
         num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75), low_below=4096, triton_cpu=True),
     Case("phi-2-partial-0.4", lambda: tf.PhiConfig(
         hidden_size=2560, num_attention_heads=32, partial_rotary_factor=0.4, max_position_embeddings=131072)),
     Case("gpt-oss-20b-yarn", lambda: small(tf.GptOssConfig, head_dim=64, num_local_experts=4,
-                                           num_experts_per_tok=2), triton_cpu=True),
+                                           num_experts_per_tok=2)),
     Case("deepseek-v3-yarn-mscale-interleave", deepseek_v3, triton_cpu=True),
     Case("deepseek-v3-rope-interleave-off", lambda: deepseek_v3(rope_interleave=False)),
     Case("deepseek-v2-lite-complex", lambda: tf.DeepseekV2Config(
@@ -170,17 +170,16 @@ CASES = [
                                                   **theta(1e6, partial_rotary_factor=0.5))),
     Case("cohere-command-r-interleaved", lambda: tf.CohereConfig(
         hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
-        **theta(8e6)), triton_cpu=True),
+        **theta(8e6))),
     Case("cohere2-r7b-sliding-layer", cohere2, layer=0),
     Case("cohere2-r7b-nope-layer", cohere2, layer=3),
     Case("smollm3-3b-rope-layer", smollm3, layer=0),
     Case("smollm3-3b-nope-layer", smollm3, layer=3, triton_cpu=True),
     Case("olmo2-7b", lambda: tf.Olmo2Config(hidden_size=4096, num_attention_heads=32, max_position_embeddings=4096,
                                             **theta(500000.0))),
-    Case("gpt-j-6b-interleaved", lambda: tf.GPTJConfig(n_embd=4096, n_head=16, rotary_dim=64, n_positions=100001),
-         triton_cpu=True),
+    Case("gpt-j-6b-interleaved", lambda: tf.GPTJConfig(n_embd=4096, n_head=16, rotary_dim=64, n_positions=100001)),
     Case("gpt-neox-20b-partial-0.25", lambda: tf.GPTNeoXConfig(
-        hidden_size=6144, num_attention_heads=64, rotary_pct=0.25, max_position_embeddings=131072), triton_cpu=True),
+        hidden_size=6144, num_attention_heads=64, rotary_pct=0.25, max_position_embeddings=131072)),
     Case("stablelm-3b-partial-0.25", lambda: tf.StableLmConfig(
         hidden_size=2560, num_attention_heads=32, max_position_embeddings=4096,
         **theta(10000.0, partial_rotary_factor=0.25))),
@@ -204,4 +203,14 @@ CASES = [
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
                          "full_attention": dict(LLAMA31)}), layer=3),
 ]
+# the rest of the table: each family at its config class's RoPE defaults, small sizes
+SMALL = {"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4}
+MLA = {"num_key_value_heads": 4}
+DEFAULTS = [(t, "", {"head_dim": 128}) for t in (
+    "ministral", "granitemoe", "granitemoeshared", "olmo", "olmoe", "starcoder2", "phimoe", "seed_oss", "apertus",
+    "arcee", "bitnet", "ernie4_5_moe", "qwen3_vl_moe_text")] + [
+    ("qwen3_5_moe_text", "", {"head_dim": 256}), ("glm4_moe_lite", "", MLA),
+    ("glm4_moe_lite", "-rope-interleave-off", MLA | {"rope_interleave": False}), ("youtu", "", MLA)]
+CASES += [Case(f"{model_type}{suffix}-defaults", lambda model_type=model_type, kw=kw: tf.CONFIG_MAPPING[model_type](
+    **SMALL | kw)) for model_type, suffix, kw in DEFAULTS]
 CASES_BY_NAME = {c.name: c for c in CASES}

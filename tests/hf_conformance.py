@@ -130,7 +130,8 @@ def freq_rel_tol(base: float) -> float:
 
 # model_type -> how its apply function is called (default "cos_sin"); "flag": DeepSeek V3's
 # rope_interleave picks "interleave" or "cos_sin".
-KINDS = {"llama4_text": "complex_bthd", "deepseek_v2": "complex", "deepseek_v3": "flag", "gptj": "gptj"}
+KINDS = {"llama4_text": "complex_bthd", "deepseek_v2": "complex", "deepseek_v3": "flag", "glm4_moe_lite": "flag",
+         "youtu": "flag", "gptj": "gptj"}
 # model_type -> (attention class, does layer i rotate there): the families with layers without RoPE
 NOPE_RULES = {
     "llama4_text": ("Llama4TextAttention", lambda attn: bool(attn.use_rope)),

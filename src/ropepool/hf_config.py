@@ -32,7 +32,7 @@ class Family:
     style: str = "neox"
     partial: float = 1.0  # the partial_rotary_factor the config class sets when a config has none
     # "partial": int(head_dim * partial_rotary_factor); "rotary_dim": config.rotary_dim
-    # (GPT-J, CodeGen); "mla": the rope part of MLA heads, qk_rope_head_dim, is the whole head.
+    # (GPT-J); "mla": the rope part of MLA heads, qk_rope_head_dim, is the whole head.
     rotary: str = "partial"
     # Which layers have no RoPE: None; "no_rope_layers" (0 marks one; Llama 4, SmolLM3);
     # "full" (full-attention layers; Cohere 2); "full_if_sliding" (full-attention layers
@@ -58,7 +58,7 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys([
         "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
         "granite", "granitemoe", "granitemoeshared", "olmo", "olmo2", "olmo3", "olmoe", "starcoder2", "phi3",
-        "phimoe", "gpt_oss", "minimax", "seed_oss", "apertus", "arcee", "bitnet", "exaone", "internlm3",
+        "phimoe", "gpt_oss", "minimax", "seed_oss", "apertus", "arcee", "bitnet",
     ], NEOX),
     "qwen3_next": Family(partial=0.25),
     "phi": Family(partial=0.5),
@@ -79,11 +79,9 @@ FAMILIES: dict[str, Family] = {
     "glm": Family(style="gptj", partial=0.5),
     "glm4": Family(style="gptj", partial=0.5),
     "gptj": Family(style="gptj", rotary="rotary_dim"),
-    "codegen": Family(style="gptj", rotary="rotary_dim"),
     "llama4_text": Family(style="gptj", nope="no_rope_layers", global_base=500000.0),
     "llama4": Family(style="gptj", nope="no_rope_layers", global_base=500000.0),
     "deepseek_v2": Family(style="gptj", **_MLA),
-    "longcat_flash": Family(style="gptj", **_MLA),
     **dict.fromkeys(["deepseek_v3", "glm4_moe_lite", "youtu"], Family(style="flag", **_MLA)),
 }
 
