@@ -38,7 +38,9 @@ class Family:
     # "full" (full-attention layers; Cohere 2); "full_if_sliding" (full-attention layers
     # of a model with a sliding window; EXAONE 4).
     nope: str | None = None
-    pattern: int | None = None  # sliding_window_pattern default: every pattern-th layer is full attention
+    # layer_types when a config has none, as the config class derives them: (config key of n, its
+    # default, the type of every n-th layer, the type of the others)
+    pattern: tuple | None = None
     local_base: float | None = None  # Gemma 3: sliding layers use rope_local_base_freq (this default), no scaling
     global_base: float | None = None  # the config class's rope_theta default, where not 10000
     mrope: tuple | None = None  # the mrope_section the modeling code falls back on: the family always uses MRoPE
@@ -48,9 +50,12 @@ class Family:
 NEOX, GPTJ = Family(), Family(style="gptj")
 _MLA = {"rotary": "mla"}
 _QWEN3_VL = Family(mrope=(24, 20, 20), mrope_interleaved=True)
-_QWEN3_5 = Family(partial=0.25, mrope=(11, 11, 10), mrope_interleaved=True)
 _QWEN2_VL = Family(mrope=(16, 24, 24))
-_GEMMA3 = Family(pattern=6, local_base=10000.0, global_base=1e6)
+_SLIDING = ("sliding_window_pattern", 4, "full_attention", "sliding_attention")
+_LINEAR = ("full_attention_interval", 4, "full_attention", "linear_attention")
+_QWEN3_5 = Family(partial=0.25, mrope=(11, 11, 10), mrope_interleaved=True, pattern=_LINEAR)
+_GEMMA3 = Family(pattern=("sliding_window_pattern", 6, "full_attention", "sliding_attention"), local_base=10000.0,
+                 global_base=1e6)
 
 # model_type -> Family. Composite (multimodal) configs are read through their
 # text_config; their own model_type is listed where the text config may lack one.
@@ -58,9 +63,10 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys([
         "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
         "granite", "granitemoe", "granitemoeshared", "olmo", "olmo2", "olmo3", "olmoe", "starcoder2", "phi3",
-        "phimoe", "gpt_oss", "minimax", "seed_oss", "apertus", "arcee", "bitnet",
+        "phimoe", "gpt_oss", "seed_oss", "apertus", "arcee", "bitnet",
     ], NEOX),
-    "qwen3_next": Family(partial=0.25),
+    "qwen3_next": Family(partial=0.25, pattern=_LINEAR),
+    "minimax": Family(pattern=(None, 2, "linear_attention", "full_attention")),
     "phi": Family(partial=0.5),
     "persimmon": Family(partial=0.5),
     "nemotron": Family(partial=0.5),
@@ -68,14 +74,14 @@ FAMILIES: dict[str, Family] = {
     "stablelm": Family(partial=0.25),
     "gpt_neox": Family(partial=0.25),  # rotary_pct
     "smollm3": Family(nope="no_rope_layers"),
-    "exaone4": Family(nope="full_if_sliding", pattern=4),
+    "exaone4": Family(nope="full_if_sliding", pattern=_SLIDING),
     "gemma3_text": _GEMMA3, "gemma3": _GEMMA3,
     "qwen2_vl_text": _QWEN2_VL, "qwen2_vl": _QWEN2_VL, "qwen2_5_vl_text": _QWEN2_VL, "qwen2_5_vl": _QWEN2_VL,
     **dict.fromkeys(["qwen3_vl_text", "qwen3_vl", "qwen3_vl_moe_text", "qwen3_vl_moe"], _QWEN3_VL),
     **dict.fromkeys(["qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"], _QWEN3_5),
     # interleaved pairs
     **dict.fromkeys(["cohere", "helium", "ernie4_5", "ernie4_5_moe"], GPTJ),
-    "cohere2": Family(style="gptj", nope="full", pattern=4),
+    "cohere2": Family(style="gptj", nope="full", pattern=_SLIDING),
     "glm": Family(style="gptj", partial=0.5),
     "glm4": Family(style="gptj", partial=0.5),
     "gptj": Family(style="gptj", rotary="rotary_dim"),
@@ -123,12 +129,13 @@ def _layer_types(get, family: Family, n_layers: int):
     types = get("layer_types")
     if types:
         return list(types)
-    pattern = get("sliding_window_pattern") or family.pattern
-    if isinstance(pattern, str):  # EXAONE 4: "LLLG"
-        return ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n_layers)]
-    if pattern and (family.nope != "full_if_sliding" or get("sliding_window") is not None):
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
-    return ["full_attention"] * n_layers
+    if family.pattern is None or (family.nope == "full_if_sliding" and get("sliding_window") is None):
+        return ["full_attention"] * n_layers
+    key, n, every, others = family.pattern
+    n = (get(key) if key else None) or n
+    if isinstance(n, str):  # EXAONE 4: "LLLG"
+        return ["sliding_attention" if n[i % len(n)] == "L" else "full_attention" for i in range(n_layers)]
+    return [others if (i + 1) % n else every for i in range(n_layers)]
 
 
 def _has_rope(get, family: Family, n_layers: int, types) -> list[bool]:
@@ -211,37 +218,36 @@ def _text_config(config):
 
 
 def _read(cls, config, style, seq_len, per_layer):
-    """(specs per decoder layer, layer types); one spec and no types for a model whose layers need no count."""
+    """(one spec per decoder layer, the layer types); without a layer count (from_hf_config only):
+    one spec per rope_parameters entry, types None."""
     config, model_type = _text_config(config)
     get = _getter(config)
     family = _family(model_type, style)
     by_type = _params_by_type(get, family)
+    made = {key: _spec(cls, get, family, params, style, seq_len) for key, params in by_type.items()}
     n_layers = _first(get("num_hidden_layers"), get("n_layer"), len(get("layer_types") or ()) or None)
     if n_layers is None:
-        if not per_layer and None in by_type and family.nope is None:
-            return [_spec(cls, get, family, by_type[None], style, seq_len)], [None]
+        if not per_layer and family.nope is None:
+            return list(made.values()), [None] * len(made)
         raise RopePoolError(
             "RopeSpec.for_layers needs num_hidden_layers in the config; got none (and no layer_types). "
             "Fix: pass the model's full config, or RopeSpec.from_hf_config(config) for a model whose layers agree."
         )
     types = _layer_types(get, family, n_layers)
-    rotates = _has_rope(get, family, n_layers, types)
-    made: dict = {}
+    nope = cls(head_dim=next(iter(made.values())).head_dim, rotary_dim=0)
     specs = []
-    for i in range(n_layers):
-        key = None if None in by_type else types[i]
-        if key not in by_type:
+    for i, (kind, rotates) in enumerate(zip(types, _has_rope(get, family, n_layers, types))):
+        key = None if None in made else kind
+        if not rotates or kind in NOT_ATTENTION:
+            specs.append(nope)
+        elif key in made:
+            specs.append(made[key])
+        else:
             raise RopePoolError(
                 f"RopeSpec.for_layers found no rope_parameters for layer {i} of type {key!r}; got rope_parameters "
-                f"for {sorted(map(str, by_type))}. Fix: give rope_parameters an entry for every layer type, as "
+                f"for {sorted(map(str, made))}. Fix: give rope_parameters an entry for every layer type, as "
                 "transformers' config class does."
             )
-        if key not in made:
-            made[key] = _spec(cls, get, family, by_type[key], style, seq_len)
-        spec = made[key]
-        if not rotates[i] or types[i] in NOT_ATTENTION:
-            spec = cls(head_dim=spec.head_dim, rotary_dim=0)
-        specs.append(spec)
     return specs, types
 
 
@@ -249,7 +255,8 @@ def spec_from_config(cls, config, *, style=None, seq_len=None):
     specs, types = _read(cls, config, style, seq_len, per_layer=False)
     distinct = list(dict.fromkeys(s for s, t in zip(specs, types) if t not in NOT_ATTENTION))
     if len(distinct) > 1:
-        kinds = sorted({f"rotary_dim={s.rotary_dim} base={s.base:g} {s.rope_type}" for s in distinct})
+        kinds = sorted({f"rotary_dim={s.rotary_dim} base={s.base:g} {s.rope_type}" if s.rotary_dim else "no RoPE"
+                        for s in distinct})
         raise RopePoolError(
             f"RopeSpec.from_hf_config reads one RoPE per model; got layers whose RoPE differs ({'; '.join(kinds)}). "
             "Fix: RopeSpec.for_layers(config) gives one spec per decoder layer."
