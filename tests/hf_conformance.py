@@ -443,9 +443,10 @@ def main(argv=None) -> int:
             print("  ".join(fmt.format(res[key]) for key, fmt in COLUMNS)
                   + ("" if not bad else "  FAIL: " + "; ".join(bad) + f"; worst at {res['worst_at']}"))
             row = worst.setdefault(res["family"], {"style": set(), "partial": set(), "scaling": set()})
-            row["style"].add(res["style"])
             row["partial"].add(res["partial"])
-            row["scaling"].add(res["rope_type"] + (" mrope" if res["mrope"] else ""))
+            if res["rotary_dim"]:  # a layer without RoPE has no pair style or scaling
+                row["style"].add(res["style"])
+                row["scaling"].add(res["rope_type"] + (" mrope" if res["mrope"] else ""))
             for key in ("rp_vs_exact", "max_rel_err"):
                 slot = (key, res["dtype"])
                 row[slot] = max(row.get(slot, 0.0), res[key])
