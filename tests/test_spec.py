@@ -28,6 +28,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from ropepool.errors import RopePoolError
+from ropepool.hf_config import FAMILIES
 from ropepool.spec import RopeSpec
 
 # transformers builds inv_freq in float32 (arange cast to float32, then base ** exponent
@@ -411,6 +412,9 @@ LEGACY = [
     pytest.param("phi", {"hidden_size": 2560, "num_attention_heads": 32, "num_hidden_layers": 2},
                  id="phi-partial-default"),
     pytest.param("minimax", SMALL | {"num_hidden_layers": 4, "rope_theta": 1e7}, id="minimax-linear-layers"),
+    pytest.param("mixtral", SMALL | {"num_hidden_layers": 2}, id="mixtral-theta-default-1e6"),
+    pytest.param("helium", SMALL | {"num_hidden_layers": 2}, id="helium-theta-default-1e5"),
+    pytest.param("gemma3_text", SMALL | {"num_hidden_layers": 6}, id="gemma3-theta-defaults"),
 ]
 
 
@@ -522,3 +526,18 @@ def test_unknown_model_type_raises_unless_style_is_given():
             read(config)
         check_message(exc)
         assert RopeSpec.from_hf_config(config, style="gptj").style == "gptj"
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_table_defaults_are_the_config_classes(model_type):
+    """What a config.json may leave out, the table fills in as transformers' config class does."""
+    family = FAMILIES[model_type]
+    config = build(model_type)
+    text = getattr(config, "text_config", None) or config
+    theta = getattr(text, "default_theta", 10000.0)
+    assert (family.theta, family.local_base) == ((theta["global"], theta["local"]) if isinstance(theta, dict)
+                                                 else (theta, None))
+    if family.rotary == "partial":
+        params = text.rope_parameters
+        params = params.get("full_attention", params)
+        assert family.partial == params.get("partial_rotary_factor", 1.0)

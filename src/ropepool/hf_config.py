@@ -41,52 +41,55 @@ class Family:
     # layer_types when a config has none, as the config class derives them: (config key of n, its
     # default, the type of every n-th layer, the type of the others)
     pattern: tuple | None = None
+    theta: float = 10000.0  # the config class's rope_theta default (its default_theta)
     local_base: float | None = None  # Gemma 3: sliding layers use rope_local_base_freq (this default), no scaling
-    global_base: float | None = None  # the config class's rope_theta default, where not 10000
     mrope: tuple | None = None  # the mrope_section the modeling code falls back on: the family always uses MRoPE
     mrope_interleaved: bool = False  # the modeling code interleaves (whatever the config's flag says)
 
 
-NEOX, GPTJ = Family(), Family(style="gptj")
+NEOX = Family()
 _MLA = {"rotary": "mla"}
-_QWEN3_VL = Family(mrope=(24, 20, 20), mrope_interleaved=True)
-_QWEN2_VL = Family(mrope=(16, 24, 24))
+_QWEN3_VL = Family(mrope=(24, 20, 20), mrope_interleaved=True, theta=5e5)
+_QWEN2_VL = Family(mrope=(16, 24, 24), theta=1e6)
 _SLIDING = ("sliding_window_pattern", 4, "full_attention", "sliding_attention")
 _LINEAR = ("full_attention_interval", 4, "full_attention", "linear_attention")
 _QWEN3_5 = Family(partial=0.25, mrope=(11, 11, 10), mrope_interleaved=True, pattern=_LINEAR)
 _GEMMA3 = Family(pattern=("sliding_window_pattern", 6, "full_attention", "sliding_attention"), local_base=10000.0,
-                 global_base=1e6)
+                 theta=1e6)
+_LLAMA4 = Family(style="gptj", nope="no_rope_layers", theta=5e5)
 
 # model_type -> Family. Composite (multimodal) configs are read through their
 # text_config; their own model_type is listed where the text config may lack one.
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys([
-        "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-        "granite", "granitemoe", "granitemoeshared", "olmo", "olmo2", "olmo3", "olmoe", "starcoder2", "phi3",
-        "phimoe", "gpt_oss", "seed_oss", "apertus", "arcee", "bitnet",
+        "llama", "mistral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+        "granite", "granitemoe", "granitemoeshared", "olmo", "olmo2", "olmoe", "starcoder2", "phi3",
+        "seed_oss", "arcee",
     ], NEOX),
+    **{t: Family(theta=theta) for t, theta in (("mixtral", 1e6), ("phimoe", 1e6), ("gpt_oss", 150000.0),
+                                             ("apertus", 1.2e7), ("bitnet", 5e5), ("olmo3", 5e5))},
     "qwen3_next": Family(partial=0.25, pattern=_LINEAR),
-    "minimax": Family(pattern=(None, 2, "linear_attention", "full_attention")),
+    "minimax": Family(pattern=(None, 2, "linear_attention", "full_attention"), theta=1e6),
     "phi": Family(partial=0.5),
     "persimmon": Family(partial=0.5),
     "nemotron": Family(partial=0.5),
     "glm4_moe": Family(partial=0.5),  # NeoX, unlike GLM-4
     "stablelm": Family(partial=0.25),
     "gpt_neox": Family(partial=0.25),  # rotary_pct
-    "smollm3": Family(nope="no_rope_layers"),
+    "smollm3": Family(nope="no_rope_layers", theta=2e6),
     "exaone4": Family(nope="full_if_sliding", pattern=_SLIDING),
     "gemma3_text": _GEMMA3, "gemma3": _GEMMA3,
     "qwen2_vl_text": _QWEN2_VL, "qwen2_vl": _QWEN2_VL, "qwen2_5_vl_text": _QWEN2_VL, "qwen2_5_vl": _QWEN2_VL,
     **dict.fromkeys(["qwen3_vl_text", "qwen3_vl", "qwen3_vl_moe_text", "qwen3_vl_moe"], _QWEN3_VL),
     **dict.fromkeys(["qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"], _QWEN3_5),
     # interleaved pairs
-    **dict.fromkeys(["cohere", "helium", "ernie4_5", "ernie4_5_moe"], GPTJ),
+    **dict.fromkeys(["cohere", "ernie4_5", "ernie4_5_moe"], Family(style="gptj", theta=5e5)),
+    "helium": Family(style="gptj", theta=1e5),
     "cohere2": Family(style="gptj", nope="full", pattern=_SLIDING),
     "glm": Family(style="gptj", partial=0.5),
     "glm4": Family(style="gptj", partial=0.5),
     "gptj": Family(style="gptj", rotary="rotary_dim"),
-    "llama4_text": Family(style="gptj", nope="no_rope_layers", global_base=500000.0),
-    "llama4": Family(style="gptj", nope="no_rope_layers", global_base=500000.0),
+    "llama4_text": _LLAMA4, "llama4": _LLAMA4,
     "deepseek_v2": Family(style="gptj", **_MLA),
     **dict.fromkeys(["deepseek_v3", "glm4_moe_lite", "youtu"], Family(style="flag", **_MLA)),
 }
@@ -155,11 +158,11 @@ def _params_by_type(get, family: Family) -> dict:
     # transformers lets rope_scaling win when a config carries both spellings
     params = _first(get("rope_scaling"), get("rope_parameters")) or {}
     if any(isinstance(v, Mapping) for v in params.values()):
-        return {k: dict(v) for k, v in params.items()}
+        local = family.local_base or family.theta
+        return {k: {"rope_theta": local if k == "sliding_attention" else family.theta} | dict(v)
+                for k, v in params.items()}
     params = dict(params)
-    theta = _first(params.get("rope_theta"), get("rope_theta"), get("rotary_emb_base"), family.global_base)
-    if theta is not None:
-        params["rope_theta"] = theta
+    params["rope_theta"] = _first(params.get("rope_theta"), get("rope_theta"), get("rotary_emb_base"), family.theta)
     if family.local_base is None:
         return {None: params}
     # Gemma 3's older spelling: rope_theta and rope_scaling on global layers, rope_local_base_freq on sliding ones
@@ -169,7 +172,7 @@ def _params_by_type(get, family: Family) -> dict:
 
 def _spec(cls, get, family: Family, params: Mapping, style, seq_len):
     params = dict(params)
-    base = _first(params.get("rope_theta"), 10000.0)
+    base = params["rope_theta"]
     partial = _first(params.get("partial_rotary_factor"), get("partial_rotary_factor"), get("rotary_pct"),
                      family.partial)
     section = _first(params.get("mrope_section"), get("mrope_section"), family.mrope)
