@@ -143,7 +143,8 @@ def ropepool_spec(name):
 
 
 def test_table_runs(capsys):
-    assert hfc.main(["--quick", "--families", "--case", "gpt-j-6b-interleaved", "--case", "cohere2-r7b-nope-layer"]) == 0
+    cases = ["gpt-j-6b-interleaved", "cohere2-r7b-sliding-layer", "cohere2-r7b-nope-layer"]
+    assert hfc.main(["--quick", "--families", *(arg for name in cases for arg in ("--case", name))]) == 0
     out = capsys.readouterr().out
     assert "gpt-j-6b-interleaved" in out and "conforms" in out and "| gptj | gptj | 64/256 |" in out
-    assert "| cohere2 | neox | 0/128 |" in out  # a layer without RoPE: rotary_dim 0
+    assert "| cohere2 | gptj | 0/128, 128/128 | default |" in out  # the layers without RoPE: rotary_dim 0
