@@ -98,10 +98,10 @@ def norm_from_attention(cls, module):
                                 f"{'nothing' if norm is None else kind}. Fix: a patched norm (Liger, ...) may "
                                 f"compute another formula: build ropepool.QKNorm(q_weight, k_weight, eps=..., "
                                 f"weight_offset={family.weight_offset}, after_rope={family.after_rope}) by hand.")
-        eps_attr = family.classes[kind]
-        value = getattr(norm, eps_attr, None)
+        eps_at = f"{where}.{family.classes[kind]}"
+        value = getattr(norm, family.classes[kind], None)
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise RopePoolError(f"QKNorm.from_hf_attention expects a finite float eps in {where}.{eps_attr}; got "
+            raise RopePoolError(f"QKNorm.from_hf_attention expects a finite float eps in {eps_at}; got "
                                 f"{value!r}. Fix: build ropepool.QKNorm(..., eps=config.rms_norm_eps) by hand.")
         eps.append(float(value))
         weights.append(norm.weight if family.weighted else None)
