@@ -154,8 +154,10 @@ class Comparison:
 
 
 def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prompt_lengths=PROMPT_LENGTHS,
-            advance=lambda: None) -> Comparison:
-    """One family through transformers' batching, then through ropepool; the model and prompts are the same."""
+            repeats: int = 3, advance=lambda: None) -> Comparison:
+    """One family through transformers' batching as shipped and through ropepool, ``repeats`` times each in
+    turn; the model and prompts are the same. Tokens are those of the first runs, the time the fastest run's
+    (the first run of each also compiles kernels and fills caches)."""
     from .integrations import transformers as rp
 
     model = build_model(family, dtype=dtype, device=device)
@@ -163,16 +165,16 @@ def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prom
     # transformers' manager runs gc.collect() twice when it stops: over the heap of torch and transformers
     # that takes about a second. Freezing what exists now (nothing here is garbage) makes it instant.
     gc.freeze()
-    warm = prompts[:2]  # first calls compile kernels and fill caches: not timed
-    run_batch(model, warm, 2)
-    plain = run_batch(model, prompts, new_tokens, advance=advance)
-    rp.enable(model)
-    try:
-        run_batch(model, warm, 2)
-        fused = run_batch(model, prompts, new_tokens, advance=advance)
-    finally:
-        rp.disable(model)
-    return Comparison(family, str(model.dtype).rsplit(".", 1)[-1], plain, fused)
+    plain, fused = [], []
+    for _ in range(repeats):
+        plain.append(run_batch(model, prompts, new_tokens, advance=advance))
+        rp.enable(model)
+        try:
+            fused.append(run_batch(model, prompts, new_tokens, advance=advance))
+        finally:
+            rp.disable(model)
+    fastest = lambda runs: Run(runs[0].tokens, runs[0].logprobs, min(r.seconds for r in runs))
+    return Comparison(family, str(model.dtype).rsplit(".", 1)[-1], fastest(plain), fastest(fused))
 
 
 def render(results: list, device: str):
@@ -202,6 +204,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=tuple(LOGPROB_TOL), default="float32",
                    help="model dtype (default float32, where the tokens must be identical)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens to generate per request (default 16)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each path, alternating; tokens/s is the fastest run's (default 3)")
     a = p.parse_args(argv)
     try:
         import torch
@@ -219,9 +223,10 @@ def main(argv=None) -> int:
     try:
         with Progress(console=console, transient=False) as progress:
             for family in FAMILIES if a.model == "all" else (a.model,):
-                task = progress.add_task(f"{family}: both runs", total=2 * len(PROMPT_LENGTHS))
+                task = progress.add_task(f"{family}: requests", total=2 * a.repeats * len(PROMPT_LENGTHS))
                 results.append(compare(family, device=device, dtype=getattr(torch, a.dtype),
-                                       new_tokens=a.new_tokens, advance=lambda task=task: progress.advance(task)))
+                                       new_tokens=a.new_tokens, repeats=a.repeats,
+                                       advance=lambda task=task: progress.advance(task)))
     finally:
         gc.unfreeze()  # let the interpreter free it all at exit
     console.print(render(results, device))

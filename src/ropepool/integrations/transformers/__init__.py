@@ -15,14 +15,17 @@ Example
 >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 ...                                num_attention_heads=4, num_key_value_heads=2)
 >>> model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
->>> rp.enable(model)  # doctest: +ELLIPSIS
-Llama...
+>>> model = rp.enable(model)
 >>> out = model.generate_batch([[1, 5, 9], [7, 3]], max_new_tokens=4, do_sample=False,
 ...                            continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=32))
+>>> [len(r.generated_tokens) for r in out.values()]
+[4, 4]
 """
 from __future__ import annotations
 
 import weakref
+
+from packaging.version import Version
 
 from ...errors import RopePoolError
 from . import attention
@@ -48,9 +51,17 @@ def enable(model, *, backend: str | None = None):
     Raises
     ------
     ropepool.RopePoolError
-        A family ropepool cannot host, or a model whose layers do not match
-        its config.
+        transformers older than 5.17, a family ropepool cannot host, a model
+        whose layers do not match its config, or an attention implementation
+        other than sdpa / eager (flash attention writes the cache in its own
+        kernel).
     """
+    import transformers
+
+    if Version(transformers.__version__).release < (5, 17):
+        raise RopePoolError(
+            f"ropepool hosts the continuous batching of transformers 5.17 and later 5.x; got transformers "
+            f"{transformers.__version__}. Fix: pip install 'transformers>=5.17,<6'.")
     disable(model)
     layers = read_model(model, backend)
     attention.install_attention_functions()

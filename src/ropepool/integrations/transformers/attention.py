@@ -122,7 +122,7 @@ def detach(layers: dict, handles: list) -> None:
 def _enter(module, args, kwargs):
     from transformers.generation.continuous_batching import PagedAttentionCache
 
-    if not isinstance(kwargs.get("cache"), PagedAttentionCache) or module not in _LAYERS:
+    if not isinstance(kwargs.get("cache"), PagedAttentionCache):
         return None
     implementation = module.config._attn_implementation
     if not hosted(implementation):
