@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -217,6 +218,9 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
+    # The models have no EOS on purpose, which transformers' batching warns about on every run; its errors
+    # (a failed request's traceback) still show.
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     console = Console()
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     results = []
