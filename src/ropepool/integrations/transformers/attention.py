@@ -1,0 +1,159 @@
+"""The fused step inside transformers' continuous batching, through its extension points.
+
+Per attention layer and step, when the call comes from continuous batching
+(a ``PagedAttentionCache`` in the layer's kwargs):
+
+1. a forward pre-hook on the attention module hands transformers an identity
+   rotation (``position_embeddings`` = cos 1, sin 0, so its own
+   ``apply_rotary_pos_emb`` returns q and k unchanged) and takes the cache out
+   of the kwargs (so its ``cache.update`` writes nothing), passing it on as
+   ``ropepool_cache``; forward hooks make the layer's own ``q_norm``/``k_norm``
+   return their input while the layer runs, since ropepool fuses the norm;
+2. the attention function transformers dispatches to, registered with
+   ``AttentionInterface`` as a wrapper of its own, finds ``ropepool_cache``
+   and makes ONE ``rope_pool_fused`` call: norm, RoPE on q and k, and the k/v
+   write into transformers' cache at its slots; it reads the rows attention
+   needs back as transformers does, and calls transformers' own function with
+   a cache whose ``update`` returns those rows (nothing is written twice).
+
+Any other call (``generate``, a plain forward, a model never enabled) passes
+through every hook and wrapper untouched.
+"""
+from __future__ import annotations
+
+import weakref
+
+from ...api import rope_pool_fused
+from ...errors import RopePoolError
+from . import paged
+
+# Implementations continuous batching may run that this module hosts; the wrappers are registered
+# for those the installed transformers has ("paged|sdpa" exists up to 5.2x).
+HOSTED = ("sdpa", "paged|sdpa", "paged|eager")
+
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> model.Layer
+_FUSING: weakref.WeakSet = weakref.WeakSet()  # attention modules inside a fused step (their norms pass through)
+_IDENTITY: dict = {}  # (dtype, device) -> (cos, sin) of the identity rotation
+
+
+def install_attention_functions() -> None:
+    """Wrap transformers' own hosted attention functions once per process (calls not ours pass through)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name in HOSTED:
+        original = ALL_ATTENTION_FUNCTIONS.get(name)
+        if original is not None and not hasattr(original, "__ropepool_wraps__"):
+            AttentionInterface.register(name, _wrap(original))
+
+
+def hosted(implementation: str) -> bool:
+    """Whether the layers of a model set to ``implementation`` run through a wrapper of this module."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = implementation if implementation in ALL_ATTENTION_FUNCTIONS else implementation.removeprefix("paged|")
+    return hasattr(ALL_ATTENTION_FUNCTIONS.get(name), "__ropepool_wraps__")
+
+
+def _wrap(original):
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        cache = kwargs.pop("ropepool_cache", None)
+        if cache is None:
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        query, key, value = fused_step(_LAYERS[module], cache, query, key, value, kwargs)
+        # transformers 5.17's paged functions read K/V through cache.update; later ones take them as arguments.
+        kwargs["cache"] = _Written(key[0].transpose(0, 1), value[0].transpose(0, 1))
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention.__ropepool_wraps__ = original
+    attention.__name__ = f"ropepool_{getattr(original, '__name__', 'attention')}"
+    return attention
+
+
+def fused_step(layer, cache, query, key, value, kwargs):
+    """q/k norm, RoPE and the cache write in one ``rope_pool_fused`` call, then the rows attention reads.
+
+    ``query``, ``key``, ``value``: ``[1, heads, T, head_dim]`` as transformers hands them to attention
+    (unrotated, unnormalised); returns q rotated and K, V of every row read, in the same layout.
+    """
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D] views
+    kv = paged.layer_kv(cache, layer.index, kwargs)
+    old = kv.read_before_write()
+    q_rot, k_rot, _, _ = rope_pool_fused(
+        q, k, v, kwargs["position_ids"][0], kv.slots, kv.k_pool, kv.v_pool, head_dim=q.shape[-1],
+        num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=layer.rope, qk_norm=layer.norm,
+        backend=layer.backend)
+    k_all, v_all = kv.read(old, k_rot, v)
+    return q_rot.transpose(0, 1)[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]
+
+
+class _Written:
+    """A cache whose ``update`` returns the rows ropepool already wrote and read (transformers 5.17's paged
+    attention functions read K/V through it)."""
+
+    def __init__(self, key, value):
+        self.key, self.value = key, value
+
+    def update(self, *args, **kwargs):
+        return self.key, self.value
+
+
+def attach(layers: dict) -> list:
+    """Hook every attention module of ``layers`` (``{module: Layer}``); returns the hook handles."""
+    handles = []
+    for module, layer in layers.items():
+        _LAYERS[module] = layer
+        handles.append(module.register_forward_pre_hook(_enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(_leave, always_call=True))
+        if layer.norm is not None:
+            for norm in (module.q_norm, module.k_norm):
+                handles.append(norm.register_forward_hook(_norm_passthrough(module)))
+    return handles
+
+
+def detach(layers: dict, handles: list) -> None:
+    for h in handles:
+        h.remove()
+    for module in layers:
+        _LAYERS.pop(module, None)
+        _FUSING.discard(module)
+
+
+def _enter(module, args, kwargs):
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    if not isinstance(kwargs.get("cache"), PagedAttentionCache):
+        return None
+    implementation = module.config._attn_implementation
+    if not hosted(implementation):
+        raise RopePoolError(
+            f"ropepool hosts continuous batching with the attention implementations {list(HOSTED)}; this step of "
+            f"layer {module.layer_idx} runs {implementation!r}. Fix: load the model with attn_implementation='sdpa' "
+            "(in half precision also pass ContinuousBatchingConfig(auto_switch_to_flash=False), where it exists), "
+            "or ropepool.integrations.transformers.disable(model).")
+    if "position_embeddings" not in kwargs or "position_ids" not in kwargs:
+        raise RopePoolError(
+            f"cannot host layer {module.layer_idx} ({type(module).__name__}): its decoder layer did not pass "
+            "position_embeddings and position_ids by keyword. Fix: disable ropepool for this model; this "
+            "transformers version calls attention differently from the ones tests/test_integration.py covers.")
+    cos = kwargs["position_embeddings"][0]
+    key = (cos.dtype, cos.device)
+    if key not in _IDENTITY:
+        _IDENTITY[key] = (cos.new_ones((1, 1, 1)), cos.new_zeros((1, 1, 1)))
+    kwargs["position_embeddings"] = _IDENTITY[key]
+    kwargs["ropepool_cache"] = kwargs.pop("cache")
+    _FUSING.add(module)
+    return args, kwargs
+
+
+def _leave(module, args, output):
+    _FUSING.discard(module)
+
+
+def _norm_passthrough(attention_module):
+    ref = weakref.ref(attention_module)
+
+    def hook(norm, args, output):
+        return args[0] if ref() in _FUSING else None
+
+    return hook

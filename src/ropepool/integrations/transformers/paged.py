@@ -1,0 +1,94 @@
+"""transformers' ``PagedAttentionCache`` seen as ropepool pools, and its read-back for attention.
+
+One layer of the cache is a K pool and a V pool ``[rows, num_kv_heads,
+head_dim]`` that transformers' slot mapping (``write_index``, one tensor per
+group of layers of one attention type) indexes directly: exactly ropepool's
+flat layout, so the op writes transformers' own tensors at transformers' own
+slots. Two layouts exist:
+
+- transformers 5.17-5.2x: one K and one V tensor per layer of a group
+  (``cache.key_cache[j]``, ``cache.value_cache[j]``);
+- later 5.x: one byte tensor shared by every layer, each layer's K and V a
+  shifted view of it (the allocator's ``_kv_token_views``), pages of K and V
+  interleaved. The two views overlap in memory but never in the rows the slot
+  mapping reaches.
+
+The read-back is transformers' own rule (``PagedAttentionCache.update``):
+a full-attention layer reads every cached row of a request after the write;
+a sliding-window layer reads before the write (its ring buffer may overwrite
+rows the step still needs) and puts this step's rows where ``read_index``
+holds the sentinel.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import RopePoolError
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer of the cache for one step."""
+
+    k_pool: torch.Tensor  # [rows, num_kv_heads, head_dim]
+    v_pool: torch.Tensor
+    slots: torch.Tensor  # [T] rows to write; transformers' write trash is turned into -1 (skip)
+    read_index: torch.Tensor  # rows attention reads ([] when the step reads nothing from the cache)
+    sentinel: int | None  # sliding layers: read_index entries that stand for this step's tokens
+
+    def read_before_write(self):
+        """Sliding layers read the old rows first; a full-attention layer reads after the write."""
+        if self.sentinel is None or not self.read_index.numel():
+            return None
+        return self.k_pool.index_select(0, self.read_index), self.v_pool.index_select(0, self.read_index)
+
+    def read(self, old, k_rot: torch.Tensor, v: torch.Tensor):
+        """K and V of every row attention sees, ``[rows_read, num_kv_heads, head_dim]``."""
+        if not self.read_index.numel():
+            return k_rot, v
+        if old is None:
+            return self.k_pool.index_select(0, self.read_index), self.v_pool.index_select(0, self.read_index)
+        new = (self.read_index == self.sentinel)[:, None, None]
+        return old[0].masked_scatter_(new, k_rot), old[1].masked_scatter_(new, v)
+
+
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer: (k_pool, v_pool)}
+
+
+def layer_kv(cache, layer: int, kwargs: dict) -> LayerKV:
+    """The K/V pools, slots and read rows of ``layer`` in this step (``kwargs``: the attention kwargs)."""
+    if hasattr(cache, "layer_to_allocator"):
+        alloc = cache.layer_to_allocator[layer]
+        group, sliding, trash = alloc.index, alloc.layer_type == "sliding_attention", alloc.write_trash_index
+        sentinel = alloc.sentinel_index
+    elif hasattr(cache, "layer_index_to_group_indices"):
+        group = cache.layer_index_to_group_indices[layer][0]
+        sliding, trash, sentinel = cache.sliding_windows[layer] != 1, cache.write_trash_index, cache.sentinel_index
+    else:
+        raise RopePoolError(
+            f"cannot read this PagedAttentionCache ({type(cache).__module__}): it has neither the per-layer "
+            "tensors of transformers 5.17 nor the allocators of later 5.x. Fix: use transformers 5.17 to 5.25 "
+            "(the versions tests/test_integration.py covers), or disable ropepool for this model.")
+    views = _VIEWS.setdefault(cache, {})
+    if layer not in views:
+        views[layer] = _pools(cache, layer)
+    k_pool, v_pool = views[layer]
+    write = kwargs["write_index"][group]
+    return LayerKV(k_pool, v_pool, write.masked_fill(write == trash, -1), kwargs["read_index"][group],
+                   sentinel if sliding else None)
+
+
+def _pools(cache, layer: int):
+    if hasattr(cache, "key_cache"):
+        j = cache.layer_index_to_group_indices[layer][1]
+        return cache.key_cache[j], cache.value_cache[j]
+    alloc = cache.layer_to_allocator[layer]
+    # The layer's K and V views start tokens_per_page rows apart; the rows any slot reaches end where the
+    # group's last layer's V view ends, so every layer's views are cut to that length (one pool shape for
+    # all layers of a group, which keeps ropepool's layout cache to one entry per group).
+    k, v = alloc._kv_token_views[layer]
+    last = alloc._kv_token_views[alloc.layer_indices[-1]][1]
+    return k[:last.shape[0]], v[:last.shape[0]]
