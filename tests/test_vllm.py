@@ -35,11 +35,6 @@ def ordered(x: torch.Tensor) -> torch.Tensor:
     return torch.where((i >> (width - 1)) & 1 == 1, -mag, mag)
 
 
-def max_steps(got: torch.Tensor, want: torch.Tensor) -> int:
-    """The largest distance between got and want in units in the last place of their dtype."""
-    return int((ordered(got) - ordered(want)).abs().max()) if got.numel() else 0
-
-
 def rand(gen, *shape, dtype=F32):
     return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
 
@@ -121,9 +116,9 @@ def interpreter_fp8_slips(got, want, fp8_dtype) -> torch.Tensor:
     return one_step | halved
 
 
-def check_cache(got, want, written, kv_cache_dtype):
+def check_cache(got, want, written, kv_cache_dtype, backend):
     """Every byte of the cache: written rows as reshape_and_cache_flash writes them, the rest untouched."""
-    if kv_cache_dtype in ref.FP8 and INTERPRETER:
+    if kv_cache_dtype in ref.FP8 and backend == "triton" and INTERPRETER:
         assert_same_bits("kv_cache rows not written", got[~written], want[~written])
         ok = interpreter_fp8_slips(got[written], want[written], ref.FP8[kv_cache_dtype])
         assert ok.all(), f"fp8 rows differ beyond the interpreter's known slips: {int((~ok).sum())} bytes"
@@ -160,14 +155,14 @@ def run_case(call, layout, physical, dtype, kv_cache_dtype, is_neox, head_size, 
     if fp8:
         views = tuple(c.view(ref.FP8[kv_cache_dtype]) for c in views)
     ref.reshape_and_cache_flash(k[:n], v, *views, slots, kv_cache_dtype, k_scale, v_scale)
-    check_cache(kv_cache, want, written_mask(kv_cache, layout, head_size, slots), kv_cache_dtype)
+    check_cache(kv_cache, want, written_mask(kv_cache, layout, head_size, slots), kv_cache_dtype, backend)
 
 
-def case(layout, physical, dtype, cache, style, head_size, rotary_dim, table_dtype=None, marks=()):
+def case(layout, physical, dtype, cache, style, head_size, rotary_dim, table_dtype=None):
     name = (f"{layout}-{physical}-{str(dtype)[6:]}-{cache}-{style}-D{head_size}"
             + (f"-rot{rotary_dim}" if rotary_dim < head_size else ""))
     return pytest.param(layout, physical, dtype, cache, style == "neox", head_size, rotary_dim,
-                        table_dtype or dtype, id=name + ("-f32table" if table_dtype else ""), marks=marks)
+                        table_dtype or dtype, id=name + ("-f32table" if table_dtype else ""))
 
 
 # Every layout vLLM's CUDA backends use (kv_first: FlashAttention; blocks_first: Triton and FlashInfer;
@@ -398,7 +393,7 @@ def test_per_token_head_ropepool(layout, cache_dtype, backend, rng):
     got_views = ref.per_token_head_views(kv_cache.cpu(), head_size, cache_dtype, layout)
     for name, got, wanted in zip(("k scales", "v scales"), got_views[2:], want_views[2:]):
         assert_same_bits(name, got, wanted)
-    if cache_dtype == torch.int8 or not INTERPRETER:
+    if cache_dtype == torch.int8 or backend == "torch" or not INTERPRETER:
         assert_same_bits("kv_cache (vLLM's per-token-head write, the rest untouched)", kv_cache, want)
     else:
         for got, wanted in zip(got_views[:2], want_views[:2]):
