@@ -1,0 +1,206 @@
+"""vLLM: the fused RoPE + KV-cache write of vLLM's attention backends, done by one ropepool call.
+
+The hook is vLLM's RoPE + KV-cache fusion pass (vllm/compilation/passes/fusion/
+rope_kvcache_fusion.py). With ``pass_config.fuse_rope_kvcache`` on, every attention
+layer whose ``impl.fused_rope_kvcache_supported()`` is True has its
+``rotary_embedding`` + ``unified_kv_cache_update`` replaced by the custom op
+``vllm.fused_rope_and_unified_kv_cache_update``, which calls::
+
+    impl.do_rope_and_kv_cache_update(layer, query, key, value, positions,
+                                     cos_sin_cache, is_neox, kv_cache, layer_slot_mapping)
+
+That call rotates query and key in place (the op declares ``mutates_args=["query",
+"key"]``) and writes the rotated key and the value into the layer's cache.
+``rope_and_cache`` does it with one ``ropepool.rope_pool_fused`` call, reading vLLM's
+own cos/sin table through ``ropepool.CosSinCache``; ``register`` (the
+``vllm.general_plugins`` entry point) installs it on vLLM's CUDA backends.
+docs/engines.md says what was run (and that vLLM itself was not).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from ..api import rope_pool_fused
+from ..errors import RopePoolError
+from ..spec import CosSinCache
+
+log = logging.getLogger(__name__)
+
+# kv_cache_dtype -> the element type the cache holds (None: the tensor's own dtype). vLLM
+# allocates fp8 caches as uint8 and views them as fp8; "fp8" means e4m3 on CUDA
+# (FlashAttentionBackend.get_fp8_dtype_for_flashattn). Per-token-head modes are absent:
+# ropepool does not compute dynamic scales yet, so vLLM keeps its own path for them.
+CACHE_DTYPES = {"auto": None, "float16": None, "bfloat16": None, "float32": None,
+                "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+# How each backend's kv_cache holds K and V. All three give key and value caches seen as
+# [num_blocks, block_size, num_kv_heads, head_size]; an HND physical order (vLLM's
+# get_kv_cache_stride_order) only changes their strides, which ropepool takes as they are.
+LAYOUTS = {
+    "kv_first": "[2, num_blocks, block_size, heads, head_size], K/V = unbind(0): FlashAttention",
+    "blocks_first": "[num_blocks, 2, block_size, heads, head_size], K/V = unbind(1): Triton, FlashInfer",
+    "packed": "[num_blocks, heads, block_size, 2 * head_size], K then V in the last dim: vLLM's standardized layout",
+}
+
+# vLLM's CUDA attention backends: (module, backend class).
+BACKENDS = (("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend"),
+            ("vllm.v1.attention.backends.triton_attn", "TritonAttentionBackend"),
+            ("vllm.v1.attention.backends.flashinfer", "FlashInferBackend"))
+
+
+def detect_layout(kv_cache: torch.Tensor, head_size: int) -> str:
+    """The layout of a layer's ``kv_cache`` from its shape (a name of ``LAYOUTS``)."""
+    shape = tuple(kv_cache.shape)
+    if len(shape) == 4 and shape[-1] == 2 * head_size:
+        return "packed"
+    if len(shape) == 5 and shape[-1] == head_size and (shape[0] == 2) != (shape[1] == 2):
+        return "kv_first" if shape[0] == 2 else "blocks_first"
+    raise RopePoolError(f"cannot tell the vLLM cache layout of kv_cache {list(shape)} with head_size {head_size}; "
+                        f"expected one of {list(LAYOUTS.values())}. Fix: pass layout= (one of {sorted(LAYOUTS)}).")
+
+
+def cache_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value caches ``[num_blocks, block_size, heads, head_size]``: views into ``kv_cache``."""
+    if layout == "kv_first":
+        return kv_cache.unbind(0)
+    if layout == "blocks_first":
+        return kv_cache.unbind(1)
+    if layout == "packed":
+        nhd = kv_cache.transpose(1, 2)
+        return nhd[..., :head_size], nhd[..., head_size:2 * head_size]
+    raise RopePoolError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}. Fix: pass the name of the "
+                        "backend's cache layout, or None to read it from kv_cache's shape.")
+
+
+_TABLES: dict = {}
+
+
+def _table(cos_sin_cache: torch.Tensor, is_neox: bool) -> CosSinCache:
+    """One CosSinCache per engine table, so ropepool's plan cache hits on every later call."""
+    key = (id(cos_sin_cache), bool(is_neox))
+    hit = _TABLES.get(key)
+    if hit is None or hit[0] is not cos_sin_cache:
+        if len(_TABLES) > 256:
+            _TABLES.clear()
+        hit = _TABLES[key] = (cos_sin_cache, CosSinCache(cos_sin_cache, is_neox=is_neox))
+    return hit[1]
+
+
+def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cache, slot_mapping, *,
+                   kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, layout: str | None = None,
+                   backend: str | None = None) -> None:
+    """What vLLM's ``do_rope_and_kv_cache_update`` does, as one ``ropepool.rope_pool_fused`` call.
+
+    Parameters
+    ----------
+    query : [num_tokens, num_heads, head_size]; key, value : [num_tokens, num_kv_heads, head_size]
+        float16 / bfloat16 / float32, any token stride (views of vLLM's fused QKV output).
+        Rotated in place: on return query and key hold q_rot and k_rot.
+    positions : [num_tokens] int64
+    cos_sin_cache : [max_position, rotary_dim], vLLM's table (cos half, then sin half)
+        Read as given (``ropepool.CosSinCache``); ``rotary_dim < head_size`` is partial rotary.
+    is_neox : bool; False is GPT-J (interleaved) pairs.
+    kv_cache : the layer's cache, in one of ``LAYOUTS``
+    slot_mapping : [n] int64, n <= num_tokens
+        Token t goes to block ``slot // block_size``, row ``slot % block_size``; a slot < 0 is
+        not written. Tokens from n on are CUDA-graph padding: neither rotated nor written.
+    kv_cache_dtype : a key of ``CACHE_DTYPES`` (vLLM's cache_config.cache_dtype)
+    k_scale, v_scale : float32 tensors, one element or [num_kv_heads] (``layer._k_scale``,
+        ``layer._v_scale``); fp8 caches store ``value / scale``. Ignored for other caches.
+    layout : a key of ``LAYOUTS``; None reads it from kv_cache's shape.
+    backend : ropepool backend (None: the Triton kernel on CUDA, the torch path elsewhere).
+    """
+    if kv_cache_dtype not in CACHE_DTYPES:
+        raise RopePoolError(f"kv_cache_dtype {kv_cache_dtype!r} is not one ropepool writes; expected one of "
+                            f"{sorted(CACHE_DTYPES)}. Fix: leave this layer to vLLM's own path (register() "
+                            "reports it unsupported), e.g. the per-token-head modes.")
+    head_size = key.shape[-1]
+    n = slot_mapping.shape[0]
+    q, k, v, pos = query[:n], key[:n], value[:n], positions[:n]
+    k_cache, v_cache = cache_views(kv_cache, layout or detect_layout(kv_cache, head_size), head_size)
+    fp8 = CACHE_DTYPES[kv_cache_dtype]
+    if fp8 is not None and k_cache.dtype != fp8:
+        k_cache, v_cache = k_cache.view(fp8), v_cache.view(fp8)
+    scales = {} if fp8 is None else {"k_scale": k_scale, "v_scale": v_scale}
+    rope_pool_fused(q, k, v, pos, slot_mapping, k_cache, v_cache, head_dim=head_size, num_qo_heads=q.shape[1],
+                    num_kv_heads=k.shape[1], rope=_table(cos_sin_cache, is_neox), kv_layout="NHD", q_out=q,
+                    k_out=k, backend=backend, **scales)
+
+
+# --- the vLLM plugin -----------------------------------------------------------------------------------
+
+def supported(impl) -> bool:
+    """Whether ropepool does this layer's write: decoder attention writing its own cache, a cache type
+    ropepool stores, on an NVIDIA GPU (ROCm's fp8 is e4m3fnuz, which ropepool does not store)."""
+    return (getattr(impl, "kv_cache_dtype", "auto") in CACHE_DTYPES
+            and getattr(impl, "kv_sharing_target_layer_name", None) is None
+            and getattr(impl, "attn_type", "decoder") == "decoder"  # AttentionType.DECODER
+            and _nvidia())
+
+
+def _nvidia() -> bool:
+    return torch.cuda.is_available() and torch.version.hip is None
+
+
+def probe_layout(backend_cls) -> str | None:
+    """The layout a backend allocates, from its ``get_kv_cache_shape`` (None: read it from the tensor).
+    vLLM's standardized layout removed that per-backend hook; its caches are "packed"."""
+    shape_of = getattr(backend_cls, "get_kv_cache_shape", None)
+    if shape_of is None:
+        return "packed"
+    shape = tuple(shape_of(3, 16, 1, 16))
+    return {(2, 3, 16, 1, 16): "kv_first", (3, 2, 16, 1, 16): "blocks_first", (3, 1, 16, 32): "packed"}.get(shape)
+
+
+def install(impl_cls, layout: str | None = None) -> None:
+    """Route ``impl_cls``'s fused RoPE + cache write through ropepool wherever ``supported``;
+    elsewhere the class keeps its own methods (e.g. ROCm's AITER kernel, per-token-head caches)."""
+    if getattr(impl_cls, "_ropepool_installed", False):
+        return
+    own_supported = getattr(impl_cls, "fused_rope_kvcache_supported", lambda self: False)
+    own_update = getattr(impl_cls, "do_rope_and_kv_cache_update", None)
+
+    def fused_rope_kvcache_supported(self):
+        return supported(self) or own_supported(self)
+
+    def do_rope_and_kv_cache_update(self, layer, query, key, value, positions, cos_sin_cache, is_neox, kv_cache,
+                                    layer_slot_mapping):
+        if not supported(self):
+            return own_update(self, layer, query, key, value, positions, cos_sin_cache, is_neox, kv_cache,
+                              layer_slot_mapping)
+        rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cache, layer_slot_mapping,
+                       kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale, v_scale=layer._v_scale,
+                       layout=layout)
+
+    impl_cls.fused_rope_kvcache_supported = fused_rope_kvcache_supported
+    impl_cls.do_rope_and_kv_cache_update = do_rope_and_kv_cache_update
+    impl_cls._ropepool_installed = True
+
+
+def register() -> list[str]:
+    """The ``vllm.general_plugins`` entry point: install ropepool on vLLM's CUDA attention backends.
+
+    vLLM loads general plugins in every process (front end, engine core, workers). Returns the
+    names of the backends it installed on; without vLLM it logs why and returns [].
+    """
+    try:
+        importlib.import_module("vllm")
+    except ImportError as e:
+        log.warning("ropepool: vLLM is not importable (%s); the vLLM adapter was not installed. "
+                    "ropepool.integrations.vllm.rope_and_cache can still be called directly.", e)
+        return []
+    installed = []
+    for module, name in BACKENDS:
+        try:
+            backend_cls = getattr(importlib.import_module(module), name)
+            install(backend_cls.get_impl_cls(), probe_layout(backend_cls))
+        except (ImportError, AttributeError, TypeError, RuntimeError) as e:  # a backend this build lacks
+            log.info("ropepool: not installed on %s.%s: %s", module, name, e)
+            continue
+        installed.append(name)
+    log.info("ropepool: RoPE + KV-cache writes of %s go through ropepool where supported "
+             "(compilation pass_config.fuse_rope_kvcache must be on).", ", ".join(installed) or "no backend")
+    return installed
