@@ -50,21 +50,12 @@ def compiled_and_eager(X, features, rng, remembered):
         assert_same_bits(f"{what}: compiled vs eager", X.numpy(g), X.numpy(w))
 
 
-OLD_DYNAMO = pytest.mark.xfail(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13), strict=True, reason=(
-    "src bug on torch < 2.13 (seen on 2.11, the H200 image): dynamo cannot wrap plan.make's default "
-    "tuning=DEFAULT_TUNING (a frozen dataclass with no source) when it traces Plan.__init__"))
-
-
-@OLD_DYNAMO
 @pytest.mark.parametrize("name,features", [("torch", "plain"), ("torch", "spec-norm-mrope-fp8-pool"),
                                            ("triton", "spec-norm-mrope-fp8-pool")])
 def test_compile_fullgraph_matches_eager(name, features, rng):
     compiled_and_eager(backend_for(name), features, rng, remembered=features == "plain")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src bug: plan.lookup evaluates `not _SEEN` before `_compiling()`; dynamo then builds the dict's keys, "
-    "hashes the remembered RopeSpec as a frozen dataclass (its inv_freq is an ndarray) and fails"))
 def test_compile_after_an_eager_call_with_a_spec(rng):
     compiled_and_eager(backend_for("torch"), "spec-norm-mrope-fp8-pool", rng, remembered=True)
 
@@ -78,9 +69,6 @@ torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, torch.arange(4
 """
 
 
-@pytest.mark.xfail(strict=True, raises=subprocess.CalledProcessError, reason=(
-    "src bug: backends.Backend.load imports the backend module (importlib.import_module) on the first call, "
-    "inside the traced code: dynamo refuses it, so a process whose first call is compiled fails"))
 def test_compile_first_in_a_process():
     """A server may compile its model before any eager call: the op must trace in a fresh process."""
     subprocess.run([sys.executable, "-c", FIRST], check=True, capture_output=True, timeout=300)

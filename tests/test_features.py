@@ -223,10 +223,6 @@ def test_heads_that_do_not_divide(backend, Hq, Hkv, rng):
 def test_per_head_scales(backend, fp8, kind, rng, request):
     """k_scale / v_scale as [num_kv_heads] float32: each head divided by its own scale (k-only: v_scale
     a float beside them)."""
-    if kind == "k-only" and backend.name == "triton":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "src bug: triton_op sets one PER_HEAD_SCALES constexpr for k_scale and v_scale; a float v_scale "
-            "beside a per-head k_scale becomes a one-element tensor read at v_scale_ptr + kv_head for every head")))
     Hkv = 3
     k_scale = np.array([0.37, 1.9, 0.05], np.float32)
     v_scale = np.array([2.5, 0.11, 0.7], np.float32) if kind == "k-and-v" else 0.5
@@ -289,9 +285,9 @@ def latent_rope(kind):
 @pytest.mark.parametrize("name", list(LATENT))
 def test_latent(backend, name, rng, request):
     kv_layout, ps, layers, layer, k3, cdt, scale, rope_kind = LATENT[name]
-    if k3 and backend.name in ("torch", "mlx"):
+    if k3 and backend.name == "mlx":
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "src bug: torch_eager / mlx Prepared.run decide kv_c's head axis from k's rank "
+            "src bug: mlx Prepared.run decides kv_c's head axis from k's rank "
             "(k3, v3 = (k, v) if k.ndim == 3 ...): k_pe [T, 1, r] leaves kv_c [T, rank] without one")))
     T, P = 7, 32
     dtype = "bfloat16" if cdt.startswith("float8") else cdt

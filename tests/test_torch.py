@@ -84,3 +84,25 @@ def test_q_out_k_out(tbackend, dtype, outs, rng):
     if outs == "strided-both":  # the heads outside the output views stay NaN
         assert np.isnan(X.numpy(q_buf[:, 0]).astype(np.float32)).all()
         assert np.isnan(X.numpy(k_buf[:, Hkv]).astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("first", [1, 9], ids=["first-T1", "first-T9"])
+def test_layout_cache_across_token_counts(tbackend, first, rng):
+    """One fused-QKV layout called with one token, then more (and the reverse): a layout's later calls
+    must not reuse anything of the first call's token count. A one-token view of a projection is dense,
+    so tensors made like it would keep its token stride (the bug this catches wrote q_rot past its end)."""
+    X = tbackend
+    Hq, Hkv, D, P = 3, 1, 64, 32
+    ropepool_plan = pytest.importorskip("ropepool.plan")
+    ropepool_plan.forget()
+    for T in (first, 10 - first, 5):
+        W = (Hq + 2 * Hkv) * D
+        qkv = X.array(randn(rng, T, W, dtype="bfloat16"))
+        # Slices keep the projection's token stride even at T = 1 (view() would renumber it there).
+        q, k, v = (qkv[:, a:].as_strided((T, h, D), (W, D, 1)) for a, h in ((0, Hq), (Hq * D, Hkv),
+                                                                               ((Hq + Hkv) * D, Hkv)))
+        assert q.stride(0) == W
+        slots = make_slots(rng, T, P, skip_every=0)
+        res = run_checked(X, q, k, v, make_positions(rng, T), slots,
+                          poison(make_cache(rng, "bfloat16", P, Hkv, D), slots))
+        assert res.q_rot.is_contiguous() and res.k_rot.is_contiguous()

@@ -1,4 +1,6 @@
 """ropepool: RoPE on q/k and the KV-pool write, in one fused step."""
+import sys
+
 from . import reference
 from ._version import __version__
 from .api import rope_latent_fused, rope_pool_fused
@@ -6,6 +8,11 @@ from .errors import RopePoolError
 from .norm import QKNorm
 from .spec import CosSinCache, RopeSpec
 from .validate import validate_slots
+
+if "torch" in sys.modules:  # torch is in use already: ready its backends before anything is compiled
+    from .backends import load_torch_backends
+
+    load_torch_backends()
 
 __all__ = ["rope_pool_fused", "rope_latent_fused", "RopeSpec", "CosSinCache", "QKNorm", "RopePoolError",
            "validate_slots", "reference", "__version__"]

@@ -41,7 +41,7 @@ class Plan:
 
     _by_id: list = []  # plans the custom op refers to by index (see triton_op)
 
-    def __init__(self, call: Call, backend: backends.Backend, tuning: Tuning = DEFAULT_TUNING):
+    def __init__(self, call: Call, backend: backends.Backend, tuning: Tuning):
         self.call, self.backend, self.tuning = call, backend, tuning
         self.prepared = backend.load().prepare(call, tuning)
         self._id = None
@@ -63,8 +63,9 @@ class Plan:
         return Plan._by_id[i]
 
 
-def make(call: Call, q, backend: str | None = None, tuning: Tuning = DEFAULT_TUNING) -> Plan:
-    return Plan(call, backends.pick(call.framework, q, backend), tuning)
+def make(call: Call, q, backend: str | None = None, tuning: Tuning | None = None) -> Plan:
+    # None, not a Tuning default: torch 2.11's dynamo cannot trace a frozen dataclass default argument.
+    return Plan(call, backends.pick(call.framework, q, backend), tuning or DEFAULT_TUNING)
 
 
 # --- the torch layout cache --------------------------------------------------------------------
@@ -81,7 +82,7 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
     Scalars equal but of another type (``layer=True`` after ``layer=1``)
     are another key: they must be rejected by a full check.
     """
-    if not _SEEN or _compiling():  # under torch.compile tensors are fakes: every call is traced in full
+    if _compiling is None or _compiling() or not _SEEN:  # under torch.compile: traced in full, every time
         return None
     try:
         entries = _SEEN.get((scalars, tuple(map(type, scalars))))
@@ -89,6 +90,14 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
         return None
     if entries:
         tensors = arrays[:7] if arrays[7] is None and arrays[8] is None else tuple(x for x in arrays if x is not None)
+        # The guard leaves every token dim free, each on its own: the counts must agree with q's.
+        try:
+            T = arrays[0].shape[0]
+            if not (arrays[1].shape[0] == arrays[2].shape[0] == arrays[4].shape[0] == arrays[3].shape[-1] == T) or \
+                    (len(tensors) > 7 and any(x.shape[0] != T for x in tensors[7:])):
+                return None
+        except (AttributeError, IndexError, TypeError):  # not arrays: a full check says what is wrong
+            return None
         for guard, run, values in entries:
             # The same memory for both pools is the one thing a layout cannot show.
             if guard.check(*tensors) and arrays[5].data_ptr() != arrays[6].data_ptr():

@@ -412,10 +412,13 @@ def _check_scale(name, s, q, per_head):
         return float(s)
     shapes = ((), (1,)) + (((per_head,),) if per_head else ())
     if framework_of(s) is None or tuple(s.shape) not in shapes:
-        kinds = "a float, a one-element float32 tensor" + (" or one per KV head" if per_head else "")
         given = type(s).__name__ if framework_of(s) is None else f"shape {_shape(s)}"
-        raise TypeError(f"{name} must be {kinds}; got {given}. Fix: pass float(scale) or a tensor of shape [1]"
-                        f"{f' or [{per_head}]' if per_head else ''}.")
+        if per_head:
+            raise TypeError(f"{name} must be a float, a one-element float32 tensor or one per KV head "
+                            f"([{per_head}]); got {given}. Fix: pass float(scale) or a tensor of shape [1] or "
+                            f"[{per_head}].")
+        raise TypeError(f"{name} must be a float or a one-element float32 tensor; got {given}. "
+                        "Fix: pass float(scale) or a tensor of shape [1].")
     _same_place(name, s, q)
     if dtype_name(s) != "float32":
         raise RopePoolError(f"{name} as a tensor must be float32; got {dtype_name(s)}. Fix: {name}.float().")
@@ -453,7 +456,7 @@ def _check_norm(norm, q, head_dim):
 
 def _check_strides(**tensors):
     for name, x in tensors.items():
-        if x.stride(-1) != 1 and x.shape[-1] > 1:
+        if x.stride(-1) != 1 and x.shape[-1] > 1 and x.numel():  # an empty tensor's strides mean nothing
             fix = (f"{name}.contiguous() (it is only read)" if name == "positions" or x.ndim == 1 else
                    "pass a view whose last dim is contiguous (any token/head stride is fine)")
             raise RopePoolError(f"{name} must have a contiguous last dim (stride 1); got strides {list(x.stride())}. "
@@ -505,14 +508,12 @@ def check_values(positions, slots, pool_size: int, max_position: int | None = No
     slt = np.asarray(slots.cpu() if hasattr(slots, "cpu") else slots)
     if pos.size and pos.min() < 0:
         t = np.unravel_index(int(np.argmax(pos < 0)), pos.shape)
-        t = t[0] if len(t) == 1 else t
-        raise RopePoolError(f"positions must be >= 0; got positions[{t}] = {int(pos[t])}. "
+        raise RopePoolError(f"positions must be >= 0; got positions[{_index(t)}] = {int(pos[t])}. "
                             "Fix: pass each token's position in its sequence (padding tokens: 0 and slot -1).")
     if max_position is not None and pos.size and pos.max() >= max_position:
         t = np.unravel_index(int(np.argmax(pos >= max_position)), pos.shape)
-        t = t[0] if len(t) == 1 else t
         raise RopePoolError(f"positions must be < the cos/sin table's max_position ({max_position}); got "
-                            f"positions[{t}] = {int(pos[t])}. Fix: build the table for the longest context served.")
+                            f"positions[{_index(t)}] = {int(pos[t])}. Fix: build the table for the longest context served.")
     if pos.size and pos.max() > _PRECISE_POSITIONS:
         warnings.warn(f"positions above 2^24 ({int(pos.max())}): float32 no longer holds every position exactly, "
                       "so RoPE's precision promise ends there (docs/precision.md).", RuntimeWarning, stacklevel=3)
@@ -526,6 +527,11 @@ def check_values(positions, slots, pool_size: int, max_position: int | None = No
         s = int(uniq[counts > 1][0])
         raise RopePoolError(f"slots must be unique within a call; got slot {s} {int(counts[counts > 1][0])} times. "
                             "Fix: give each token its own slot (two tokens in one row race).")
+
+
+def _index(t) -> str:
+    """``3`` for [T] positions, ``1, 3`` for [3, T] ones: what goes between the brackets of a message."""
+    return ", ".join(str(int(i)) for i in t)
 
 
 def validate_slots(slots, pool_size: int, positions=None) -> None:

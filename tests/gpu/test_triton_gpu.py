@@ -197,9 +197,7 @@ def test_fp8_outputs_exact(which, rng):
 @pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("v_scale", [
     pytest.param("per-head", id="both-per-head"),
-    pytest.param("float", id="v-float", marks=pytest.mark.xfail(strict=True, reason=(
-        "src bug: triton_op sets one PER_HEAD_SCALES constexpr for k_scale and v_scale; a float v_scale beside "
-        "a per-head k_scale becomes a one-element tensor read at v_scale_ptr + kv_head for every head"))),
+    pytest.param("float", id="v-float"),
 ])
 def test_per_head_scales(fp8, v_scale, rng):
     k_scale = np.linspace(0.05, 2.0, 8).astype(np.float32)
@@ -267,9 +265,6 @@ def test_cuda_graph_capture(rng):
     assert_same(calls, out, ref, run_all(ref))
 
 
-@pytest.mark.xfail(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13), strict=True, reason=(
-    "src bug on torch < 2.13 (seen on 2.11, the H200 image): dynamo cannot wrap plan.make's default "
-    "tuning=DEFAULT_TUNING (a frozen dataclass with no source) when it traces Plan.__init__"))
 def test_torch_compile_inductor(rng):
     """One compiled function making every feature's call (fullgraph, inductor) == eager, bit for bit."""
     calls = feature_calls(rng)

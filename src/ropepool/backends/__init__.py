@@ -35,6 +35,14 @@ _LOADED: dict = {}
 _INSTALLED = {name: importlib.util.find_spec(name) is not None for name in ("triton", "mlx")}
 
 
+def load_torch_backends() -> None:
+    """Import the torch backends now, outside any traced code: torch.compile cannot trace an import,
+    so a process whose first call is compiled needs them imported before (see ropepool/__init__.py)."""
+    for b in BACKENDS:
+        if b.framework == "torch" and b.why_not(None) is None:
+            b.load()
+
+
 def _triton_why_not(q) -> str | None:
     if not _INSTALLED["triton"]:
         return "triton is not installed (pip install 'ropepool[cuda]')"

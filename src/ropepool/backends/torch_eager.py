@@ -86,8 +86,9 @@ class Prepared:
         call, rot, ops = self.call, self.call.rotation, TorchOps
         freqs = None if rot.table is not None or not rot.rotary_dim else device_array(rot.freqs, q.device)
         cos, sin, ok = arraymath.cos_sin(rot, positions, freqs, rot.table, ops) if rot.rotary_dim else (None,) * 3
-        qw, kw = (None, None) if call.norm is None else call.norm.weights
-        k3, v3 = (k, v) if k.ndim == 3 else (k[:, None], v[:, None])  # MLA: one latent head
+        # Weights are read, not differentiated: a Parameter must not make the cache a graph node.
+        qw, kw = (None, None) if call.norm is None else (w if w is None else w.detach() for w in call.norm.weights)
+        k3, v3 = (x if x.ndim == 3 else x[:, None] for x in (k, v))  # MLA: one latent head
         q_rot = _out(arraymath.rope_and_norm(q, cos, sin, rot, call.norm, qw, ops), q, q_out, call.q_fp8, call.q_scale)
         k32 = arraymath.rope_and_norm(k3, cos, sin, rot, call.norm, kw, ops)
         k_rot = _out(k32.view(k.shape), k, k_out, call.k_fp8, call.k_out_scale)

@@ -120,7 +120,7 @@ def rope_pool_kernel(
     LONGROPE: tl.constexpr, TABLE: tl.constexpr, MROPE: tl.constexpr, S_T: tl.constexpr, S_H: tl.constexpr,
     S_W: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr,
     NORM: tl.constexpr, Q_W: tl.constexpr, K_W: tl.constexpr, EPS: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, PER_HEAD_SCALES: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
     Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr,
 ):
     # Tiles are [head, feature]. HQ and HKV are the heads of one program:
@@ -194,8 +194,8 @@ def rope_pool_kernel(
         q_pass = tl.zeros([BHQ, BLOCK_PASS], tl.float32)
         k_pass = tl.zeros([BHKV, BLOCK_PASS], tl.float32)
     if FP8:
-        k_scale = _scale(k_scale_ptr, kv_head, mkh, PER_HEAD_SCALES)
-        v_scale = _scale(v_scale_ptr, kv_head, mkh, PER_HEAD_SCALES)
+        k_scale = _scale(k_scale_ptr, kv_head, mkh, K_PER_HEAD)
+        v_scale = _scale(v_scale_ptr, kv_head, mkh, V_PER_HEAD)
     else:
         k_scale = 1.0
         v_scale = 1.0

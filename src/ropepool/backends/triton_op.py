@@ -82,7 +82,7 @@ def _features(call, split: int) -> dict:
         S_W=section[2], MROPE_INTERLEAVED=rot.mrope_interleaved,
         NORM=0 if norm is None else 2 if norm.after_rope else 1,
         Q_W=norm is not None and norm.q_weight is not None, K_W=norm is not None and norm.k_weight is not None,
-        FP8=call.fp8 is not None, PER_HEAD_SCALES=any(_numel(s) > 1 for s in (call.k_scale, call.v_scale)),
+        FP8=call.fp8 is not None, K_PER_HEAD=_numel(call.k_scale) > 1, V_PER_HEAD=_numel(call.v_scale) > 1,
         Q_FP8=call.q_fp8 is not None, K_FP8=call.k_fp8 is not None,
     )
     ints = {n: int(c[n]) for n in _INT_FEATURES}  # bools as ints: one spelling, one compiled kernel
