@@ -10,7 +10,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
 COLORS = {"copy": "grey", "ropepool": "tab:orange", "flashinfer": "tab:green", "compiled": "tab:red",
           "eager": "tab:purple"}
 

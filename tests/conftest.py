@@ -22,6 +22,7 @@ if HAS["torch"] and HAS["triton"]:
 def pytest_configure(config):
     config.addinivalue_line("markers", "big: too big for the Triton CPU interpreter; there the triton backend "
                                        "skips it (it runs on CUDA)")
+    config.addinivalue_line("markers", "torch_only: as big, for the modules on tests/torch_fixtures.py")
 
 
 @pytest.fixture(params=["torch", "triton", "mlx"])

@@ -300,8 +300,19 @@ def assert_close(name, got: np.ndarray, ref: np.ndarray, tol: float):
         raise AssertionError(f"{name}: max rel err {err.max():.3g} > {tol}; first at {bad}")
 
 
-def assert_same_bits(name, got: np.ndarray, want: np.ndarray):
-    got, want = np.asarray(got), np.asarray(want)
+def _torch_bits(x):
+    """A torch tensor's raw bits as a NumPy int array (anything else as it is)."""
+    if not hasattr(x, "detach"):
+        return x
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return x.detach().cpu().contiguous().view(ints).numpy()
+
+
+def assert_same_bits(name, got, want):
+    """NumPy arrays (or torch tensors, compared as their raw bits) equal bit for bit."""
+    got, want = np.asarray(_torch_bits(got)), np.asarray(_torch_bits(want))
     assert got.shape == want.shape, f"{name}: shape {list(got.shape)} vs {list(want.shape)}"
     g, w = bits(got), bits(want.astype(got.dtype) if want.dtype.kind == "f" else want)
     bad = np.argwhere(g != w)

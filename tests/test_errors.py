@@ -258,8 +258,8 @@ CASES = [
     C("fp8-scale-str", fp8(k_scale=1.0, v_scale="1"), TypeError,
       r"^v_scale must be a float, a one-element float32 tensor or one per KV head \(\[2\]\); got str"),
     C("fp8-per-head-scale-wrong-size", fp8(k_scale=arr(np.ones(3), np.float32), v_scale=1.0), TypeError,
-      r"^k_scale must be a float, a one-element float32 tensor or one per KV head \(\[2\]\); got shape \[3\]\. Fix: pass "
-      r"float\(scale\) or a tensor of shape \[1\] or \[2\]"),
+      r"^k_scale must be a float, a one-element float32 tensor or one per KV head \(\[2\]\); got shape \[3\]\. "
+      r"Fix: pass float\(scale\) or a tensor of shape \[1\] or \[2\]"),
     C("fp8-scale-float16-tensor", fp8(k_scale=arr([1.0], np.float16), v_scale=1.0), ValueError,
       r"^k_scale as a tensor must be float32; got float16"),
     C("fp8-scale-numpy-array", fp8(k_scale=np.ones(1, np.float32), v_scale=1.0), TypeError,

@@ -37,6 +37,7 @@ import torch
 
 import ropepool
 from ropepool import RopeSpec
+from tests.harness import assert_same_bits
 from tests.test_hf_norm import (
     DEVICE,
     INTERPRETER,
@@ -50,7 +51,7 @@ from tests.test_hf_norm import (
     rounding_bounds,
     transformers,
 )
-from tests.util import assert_same_bits
+from tests.torch_fixtures import backend, rng  # noqa: F401,E402
 
 V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}

@@ -36,6 +36,7 @@ from tests.test_hf_norm import (
     randomize,
     transformers,
 )
+from tests.torch_fixtures import backend, rng  # noqa: F401,E402
 
 IMAGE, VIDEO, START, END = 500, 501, 502, 503
 PREFIX, GRID = 3000, (1, 8, 12)  # text before the image; the image's (t, h, w) patches, merged 2 x 2

@@ -62,9 +62,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import ropepool
-from ropepool import QKNorm, RopePoolError, RopeSpec
-from tests.util import assert_same_bits
+import ropepool  # noqa: E402
+from ropepool import QKNorm, RopePoolError, RopeSpec  # noqa: E402
+from tests.harness import assert_same_bits  # noqa: E402
+from tests.torch_fixtures import backend, rng  # noqa: F401,E402
 
 CAPTURE = "ropepool_capture"
 U = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8}  # roundings counted in k; float32's go to F32(D)
@@ -265,7 +266,7 @@ def randomize(module, gen, heads=()):
     """Random weights (norm weights too, never ones); the listed (projection, head_dim) rows of head 0 x 1e-3,
     of the last head x 50, so one head sits where eps matters and one far above it."""
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for p in module.parameters():
             fan_in = p.shape[-1] if p.ndim == 2 else 1
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
         for proj, width in heads:

@@ -20,11 +20,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-import ropepool
+import ropepool  # noqa: E402
 from ropepool import demo
 from ropepool.integrations import transformers as rp
 from ropepool.integrations.transformers import attention, paged
 from ropepool.integrations.transformers.model import attention_layers
+from tests.torch_fixtures import backend, rng  # noqa: F401,E402
 
 NEW_TOKENS = 6
 PROMPT_LENGTHS = (3, 11, 20)

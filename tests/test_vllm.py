@@ -17,8 +17,8 @@ import torch
 import ropepool
 from ropepool.integrations import vllm as rv
 from tests import vllm_reference as ref
-from tests.conftest import DEVICE
-from tests.util import assert_same_bits
+from tests.harness import assert_same_bits
+from tests.torch_fixtures import DEVICE, backend, rng  # noqa: F401
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 # The Triton interpreter (CPU CI) rounds float32 -> bf16 by truncation, and float32 -> fp8 wrongly
@@ -42,7 +42,8 @@ def rand(gen, *shape, dtype=F32):
 def make_cache(layout, physical, num_blocks, block_size, heads, dim, storage, gen):
     """A poisoned vLLM kv_cache: the backend's logical shape, NHD or HND in memory (vLLM's stride order)."""
     if layout == "packed":
-        mem = (num_blocks, block_size, heads, 2 * dim) if physical == "NHD" else (num_blocks, heads, block_size, 2 * dim)
+        mem = ((num_blocks, block_size, heads, 2 * dim) if physical == "NHD" else
+               (num_blocks, heads, block_size, 2 * dim))
         perm = (0, 2, 1, 3) if physical == "NHD" else (0, 1, 2, 3)
     else:
         lead = (2, num_blocks) if layout == "kv_first" else (num_blocks, 2)

@@ -9,7 +9,7 @@ from .norm import QKNorm
 from .spec import CosSinCache, RopeSpec
 from .validate import validate_slots
 
-if "torch" in sys.modules:  # torch is in use already: ready its backends before anything is compiled
+if sys.modules.get("torch") is not None:  # torch is in use already: ready its backends before anything is compiled
     from .backends import load_torch_backends
 
     load_torch_backends()

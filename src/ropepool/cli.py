@@ -36,7 +36,8 @@ def env_report() -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ropepool", description="RoPE + KV-pool write, fused.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("demo", help="serve small transformers models through ropepool and compare", add_help=False)
+    sub.add_parser("demo", help="run transformers' continuous batching with and without ropepool: tokens/s and "
+                                 "whether the tokens match", add_help=False)
     sub.add_parser("bench", help="time ropepool beside eager PyTorch, torch.compile and a copy", add_help=False)
     sub.add_parser("env", help="versions, devices and which backend would run")
     a, rest = p.parse_known_args(argv)

@@ -513,7 +513,8 @@ def check_values(positions, slots, pool_size: int, max_position: int | None = No
     if max_position is not None and pos.size and pos.max() >= max_position:
         t = np.unravel_index(int(np.argmax(pos >= max_position)), pos.shape)
         raise RopePoolError(f"positions must be < the cos/sin table's max_position ({max_position}); got "
-                            f"positions[{_index(t)}] = {int(pos[t])}. Fix: build the table for the longest context served.")
+                            f"positions[{_index(t)}] = {int(pos[t])}. "
+                            "Fix: build the table for the longest context served.")
     if pos.size and pos.max() > _PRECISE_POSITIONS:
         warnings.warn(f"positions above 2^24 ({int(pos.max())}): float32 no longer holds every position exactly, "
                       "so RoPE's precision promise ends there (docs/precision.md).", RuntimeWarning, stacklevel=3)

@@ -9,22 +9,15 @@ sliding and full layers rotate with different bases) and ``QKNorm``.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ...errors import RopePoolError
 from ...norm import QKNorm
 from ...spec import RopeSpec
 
-# model_type -> the gain convention of its q/k norms (None: the family has none). Verified on
-# transformers 5.17 and 5.25 by tests/test_integration.py.
-FAMILIES = {
-    "llama": None,
-    "mistral": None,
-    "qwen2": None,
-    "qwen3": 0.0,  # Qwen3RMSNorm: w * x
-    "gemma3_text": 1.0,  # Gemma3RMSNorm: (1 + w) * x
-}
+# The model types hosted, verified on transformers 5.17 and 5.25 by tests/test_integration.py. Their
+# RoPE comes from RopeSpec.for_layers and their q/k norms from QKNorm.from_hf_attention.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,32 +53,5 @@ def read_model(model, backend: str | None) -> dict:
         raise RopePoolError(
             f"cannot host this {model_type} model: config.num_hidden_layers is {config.num_hidden_layers} but "
             f"{len(modules)} attention modules were found. Fix: load the model from its own config.")
-    specs = _layer_specs(config)
-    return {m: Layer(m.layer_idx, specs[m.layer_idx], _qk_norm(m, FAMILIES[model_type]), backend)
-            for m in modules}
-
-
-def _layer_specs(config) -> list:
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, Mapping) and params and all(isinstance(p, Mapping) for p in params.values()):
-        # RoPE per layer type (Gemma 3: sliding layers base 1e4, full layers 1e6 and their scaling).
-        # TODO(for_layers): RopeSpec.for_layers reads these once the model-config issue lands; use it then.
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        by_type = {t: RopeSpec.from_hf_config({"model_type": config.model_type, "head_dim": head_dim,
-                                               "max_position_embeddings": config.max_position_embeddings,
-                                               "rope_parameters": dict(p)})
-                   for t, p in params.items()}
-        return [by_type[t] for t in config.layer_types]
-    return RopeSpec.for_layers(config)
-
-
-def _qk_norm(attn, weight_offset) -> QKNorm | None:
-    if weight_offset is None:
-        return None
-    try:
-        return QKNorm.from_hf_attention(attn)
-    except ModuleNotFoundError:
-        # TODO(hf_norm): QKNorm.from_hf_attention (src/ropepool/hf_norm.py) is being written; drop this then.
-        q, k = attn.q_norm, attn.k_norm
-        eps = getattr(q, "variance_epsilon", getattr(q, "eps", None))
-        return QKNorm(q.weight, k.weight, eps=eps, weight_offset=weight_offset)
+    specs = RopeSpec.for_layers(config)  # Gemma 3's sliding and full layers rotate with different bases
+    return {m: Layer(m.layer_idx, specs[m.layer_idx], QKNorm.from_hf_attention(m), backend) for m in modules}
