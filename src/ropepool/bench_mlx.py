@@ -98,10 +98,11 @@ def measure_cell(geometry, dtype_name, T, pool_rows, small_pool, warmup, max_cal
     """Records for one geometry, dtype and token count: each provider, interleaved call by call."""
     Hq, Hkv, D = GEOMETRIES[geometry]
     dtype = DTYPES[dtype_name]
-    inputs = make_inputs(T, Hq, Hkv, D, dtype, min(pool_rows, small_pool or pool_rows), gen)
+    small = small_pool if small_pool and T == 1 else 0
+    inputs = make_inputs(T, Hq, Hkv, D, dtype, small or pool_rows, gen)  # slots valid in both pools
     callers = {(name, pool_rows): Caller(fn, inputs, pool_rows, Hkv, D, dtype) for name, fn in PROVIDERS.items()}
-    if small_pool and T == 1:
-        callers[("ropepool", small_pool)] = Caller(ropepool_call, inputs, small_pool, Hkv, D, dtype)
+    if small:
+        callers[("ropepool", small)] = Caller(ropepool_call, inputs, small, Hkv, D, dtype)
     # The oracle on the inputs, into zero pools as the callers' start (only the written rows are compared).
     np_inputs = [np.array(a.astype(mx.float32)).astype(np.float64) if i < 3 else np.array(a)
                  for i, a in enumerate(inputs)]
