@@ -18,7 +18,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'ropepool[mlx]')")
 
-import ropepool
+import ropepool  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128  # Llama-3-8B
 SMALL, LARGE = 1024, 65536

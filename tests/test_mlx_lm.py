@@ -26,13 +26,13 @@ import pytest
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'ropepool[mlx-lm]')")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'ropepool[mlx-lm]')")
 
-from mlx.utils import tree_map_with_path
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _get_classes
+from mlx.utils import tree_map_with_path  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.utils import _get_classes  # noqa: E402
 
-import ropepool
-from ropepool.integrations.mlx_lm import PooledAttention, PooledModel
+import ropepool  # noqa: E402
+from ropepool.integrations.mlx_lm import PooledAttention, PooledModel  # noqa: E402
 
 BASE = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 256, "tie_word_embeddings": True,

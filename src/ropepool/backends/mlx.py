@@ -124,12 +124,15 @@ def write(pool: mx.array, geom, ids: mx.array, keep: mx.array, rows: mx.array) -
     both name still ends as the valid token's.
     """
     nbytes = pool.shape[-1] * pool.itemsize * (1 if geom.kv_layout == "HND" else geom.num_heads)
+    if ids.shape[0] == 0 or pool.size == 0:
+        return pool
     word = next(n for n in (8, 4, 2, 1) if nbytes % n == 0)
-    bits = mx.view(pool, _WORDS[word]).reshape(-1, nbytes // word)
-    new = mx.view(rows, _WORDS[word]).reshape(ids.shape[0], -1)
+    width = nbytes // pool.itemsize  # elements of one row
+    bits = mx.view(pool.reshape(pool.size // width, width), _WORDS[word])
+    new = mx.view(rows.reshape(ids.shape[0], width), _WORDS[word])
     bits = bits.at[ids].maximum(mx.where(keep, new, 0))
     bits = bits.at[ids].minimum(mx.where(keep, new, _ALL_ONES[word]))
-    return mx.view(bits.reshape(*pool.shape[:-1], -1), pool.dtype)
+    return mx.view(bits, pool.dtype).reshape(pool.shape)
 
 
 def _to_pool(rows, call, scale, pool):
@@ -160,7 +163,8 @@ def _graph(call):
 
     def graph(q, k, v, positions, slots, k_pool, v_pool, freqs, table, qw, kw, k_scale, v_scale):
         cos, sin, ok = arraymath.cos_sin(rot, positions, freqs, table, ops) if rot.rotary_dim else (None,) * 3
-        k3, v3 = (k, v) if k.ndim == 3 else (k[:, None], v[:, None])  # MLA: one latent head
+        k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head, k_pe [T, r] or [T, 1, r]
+        v3 = v if v.ndim == 3 else v[:, None]  # and kv_c [T, rank]
         q_rot = arraymath.rope_and_norm(q, cos, sin, rot, norm, qw, ops).astype(q.dtype)
         k_rot = arraymath.rope_and_norm(k3, cos, sin, rot, norm, kw, ops).astype(k.dtype)
         ids, keep = targets(call.pool, slots, ok)
