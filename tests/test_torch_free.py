@@ -1,12 +1,13 @@
 """ropepool without torch: the MLX path, the oracle, validate_slots and ``ropepool env`` (issue 14).
 
-Each check runs in a fresh interpreter in which torch and triton are absent
-as far as Python can tell: ``sys.modules[name] = None`` makes ``import torch``
-raise ModuleNotFoundError and ``importlib.util.find_spec("torch")`` return
-None, exactly as on a machine without torch, whether or not this venv has it.
-So the test means the same in CI's torch job and in its no-torch job, and a
-module that imports torch at the top fails it instead of being skipped. At
-the end the child reports which of torch's modules got loaded: none may be.
+Each check runs in a fresh interpreter in which importing torch or triton
+raises ModuleNotFoundError (a finder placed first on ``sys.meta_path``),
+whether or not this venv has them. So the test means the same in CI's torch
+job and in its no-torch job, and a module that imports torch fails it instead
+of being skipped. (The finder answers ``find_spec("torch")`` with a spec, as
+if torch were installed, so code that imports torch whenever it is installed
+fails here too: stricter than a machine without torch.) At the end the child
+reports which modules of torch and triton got loaded: none may be.
 """
 from __future__ import annotations
 
@@ -20,9 +21,24 @@ import pytest
 import ropepool
 
 BLOCK = """
-import sys
-for _name in ("torch", "triton"):
-    sys.modules[_name] = None  # absent: import raises, find_spec returns None
+import importlib.abc, importlib.machinery, sys
+
+
+class _Absent(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # First on sys.meta_path: torch and triton are found by no other finder, and importing them raises.
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "triton"):
+            return importlib.machinery.ModuleSpec(name, self)
+        return None
+
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r} (blocked by test_torch_free)", name=spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _Absent())
 try:
     import torch  # noqa: F401
     raise SystemExit("the torch blocker failed: torch imported")
