@@ -1,35 +1,43 @@
 """The MLX path: the array math of ``arraymath`` on MLX arrays, lazy, pools donated.
 
-Nothing here evaluates: ``run`` only adds nodes to MLX's graph (no
-``mx.eval``, no ``.item()``), so a call can sit in a larger lazy computation
-or under ``mx.compile``. q, k and v keep their values; q_rot and k_rot are
-new arrays.
+Nothing here evaluates: a call only adds nodes to MLX's graph (no
+``mx.eval``, no ``.item()``), so it can sit in a larger lazy computation or
+under the caller's own ``mx.compile``. q, k and v keep their values; q_rot and
+k_rot are new arrays.
 
-The pools are donated, as the seed's are: each pool is scattered into as a
-``[rows, dim]`` reshape of itself and the result is the returned pool. When
-the caller rebinds its names to the returned pools (``k_pool, v_pool =
-out[2], out[3]``) and holds no other reference, MLX reuses the pool's buffer
-at evaluation, so a call costs time in proportion to its tokens, not to the
-pool (tests/test_mlx.py measures it).
+Pools are donated, as the seed's are: each pool is scattered into as a
+``[rows, words]`` view of its own buffer and the result is the returned pool.
+When the caller rebinds its names to the returned pools (``k_pool, v_pool =
+out[2], out[3]``) and holds no other reference, MLX reuses the buffer at
+evaluation, so a call costs time in proportion to its tokens, never to the
+pool (tests/test_mlx_cost.py measures it). Nothing may read the old pool in
+the same graph: MLX keeps a buffer alive until its readers have run, and the
+scatter would then copy the pool.
 
-Skipped tokens (slot < 0, or out of range: no input writes outside the pool)
-need no scratch row and no host sync: each is sent to the row of the first
-valid token of the call, with that token's values, so a row written twice
-gets the same bytes twice; in a call with no valid token, they all rewrite
-slot 0's row with the values it already holds.
+Speed on MLX's CPU backend (docs/mlx.md has the measurements): every node of
+the graph costs several microseconds to schedule, so a decode-sized call
+(up to ``COMPILE_MAX_TOKENS`` tokens) runs as one ``mx.compile``d graph, traced
+once per layout and token count; larger calls run the same function eagerly,
+where compiling gains nothing and each new token count would trace anew.
+``MLX_DISABLE_COMPILE=1`` (MLX's own switch) runs everything eagerly.
 
 Rotation: explicit float32 math, as on PyTorch. ``mx.fast.rope`` is not
 used: it derives the frequencies itself (from ``base``, or as ``1 / freqs``),
-so it cannot reproduce the contract's float32 ``inv_freq``; docs/mlx.md has
-the measured errors.
+and on the CPU it rounds cos/sin to the input dtype and rotates in it, so it
+cannot meet the contract's float32 precision; docs/mlx.md has the measured
+errors.
 """
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ..dtypes import FP8_MAX
 from ..layout import page_and_row, row_ids
 from . import arraymath
+
+COMPILE_MAX_TOKENS = 64
+CHUNK_TOKENS = 256
 
 
 class MlxOps:
@@ -79,28 +87,52 @@ def device_array(values) -> mx.array:
     return arraymath.constant(values, mx.array)
 
 
-def write(pool: mx.array, call, slots: mx.array, ok, rows: mx.array) -> mx.array:
-    """``pool`` with ``rows [T, H, dim]`` at the tokens' slots: one scatter into the pool's own buffer."""
-    geom, dim = call.pool, pool.shape[-1]
-    if slots.shape[0] == 0:
-        return pool
-    idx = mx.int32 if geom.rows < 2**31 - 1 else mx.int64
+# --- the pool write ----------------------------------------------------------------------------
+
+_WORDS = {8: mx.uint64, 4: mx.uint32, 2: mx.uint16, 1: mx.uint8}
+_ALL_ONES = {n: mx.array(np.array(-1, dtype=np.int64).astype(f"uint{8 * n}")) for n in _WORDS}
+
+
+def targets(geom, slots: mx.array, ok):
+    """Where each token's rows go: ``ids`` into the pool seen as ``[rows, width]`` and ``keep [ids, 1]``
+    (False: a skipped token, slot < 0 or outside the pool, or a position outside the cos/sin table).
+
+    A row is a token's heads where they lie together (flat and NHD pools: one
+    index per token), else one head (HND: one index per token and head).
+    """
     valid = (slots >= 0) & (slots < geom.pool_size)
     if ok is not None:
         valid = valid & ok
-    heads = mx.arange(geom.num_heads, dtype=idx)
-    page, row = page_and_row(mx.where(valid, slots, 0).astype(idx), geom.page_size)
-    ids = row_ids(geom, page[:, None], row[:, None], heads[None, :])
-    # The donor: the first valid token's rows, or slot 0's rows as they are.
-    any_valid = mx.any(valid)
-    first = mx.argmax(valid.astype(mx.int32))
-    flat = pool.reshape(-1, dim)
-    donor_ids = mx.where(any_valid, ids[first], row_ids(geom, 0, 0, heads))
-    donor = mx.where(any_valid, rows[first], flat[donor_ids])
-    ids = mx.where(valid[:, None], ids, donor_ids[None])
-    rows = mx.where(valid[:, None, None], rows, donor[None])
-    flat[ids.reshape(-1)] = rows.reshape(-1, dim)
-    return flat.reshape(pool.shape)
+    idx = mx.int32 if geom.rows < 2**31 else mx.int64
+    slot = mx.where(valid, slots, 0).astype(idx)
+    if geom.kv_layout == "HND":
+        page, row = page_and_row(slot[:, None], geom.page_size)
+        ids = row_ids(geom, page, row, mx.arange(geom.num_heads, dtype=idx)[None, :]).reshape(-1)
+        return ids, mx.repeat(valid, geom.num_heads)[:, None]
+    return (slot if geom.layer is None else slot + geom.layer * geom.pool_size), valid[:, None]
+
+
+def write(pool: mx.array, geom, ids: mx.array, keep: mx.array, rows: mx.array) -> mx.array:
+    """``pool`` with ``rows [T, H, dim]`` (the pool's dtype) at ``ids``, scattered into the pool's own buffer.
+
+    The scatter works on the raw bits, as the widest unsigned words that
+    divide a row: ``max`` with a row's bits, then ``min`` with them, sets the
+    row to exactly those bits whatever it held (integers have no NaN and no
+    -0.0), while a skipped token's ``max(x, 0)`` and ``min(x, all ones)``
+    leave any row as it was. So a skipped token needs no scratch row, no host
+    sync and no read of the pool, and a row that a valid and a skipped token
+    both name still ends as the valid token's.
+    """
+    nbytes = pool.shape[-1] * pool.itemsize * (1 if geom.kv_layout == "HND" else geom.num_heads)
+    if ids.shape[0] == 0 or pool.size == 0:
+        return pool
+    word = next(n for n in (8, 4, 2, 1) if nbytes % n == 0)
+    width = nbytes // pool.itemsize  # elements of one row
+    bits = mx.view(pool.reshape(pool.size // width, width), _WORDS[word])
+    new = mx.view(rows.reshape(ids.shape[0], width), _WORDS[word])
+    bits = bits.at[ids].maximum(mx.where(keep, new, 0))
+    bits = bits.at[ids].minimum(mx.where(keep, new, _ALL_ONES[word]))
+    return mx.view(bits, pool.dtype).reshape(pool.shape)
 
 
 def _to_pool(rows, call, scale, pool):
@@ -109,24 +141,80 @@ def _to_pool(rows, call, scale, pool):
     return rows.astype(pool.dtype)
 
 
+# --- the op ------------------------------------------------------------------------------------
+
+def _scale_key(scale):
+    return ("array",) if isinstance(scale, mx.array) else scale
+
+
+def _static_key(call) -> tuple:
+    """Everything the graph reads of a Call besides its arrays: calls that agree here share a graph."""
+    rot, norm = call.rotation, call.norm
+    rotation = (rot.rotary_dim, rot.gptj, rot.attention_scaling, rot.long_from, rot.table is None,
+                tuple(rot.rows.tolist()))
+    norm_key = None if norm is None else (norm.eps, norm.weight_offset, norm.after_rope, norm.q_weight is None,
+                                          norm.k_weight is None)
+    return (call.pool, call.fp8, rotation, norm_key, _scale_key(call.k_scale), _scale_key(call.v_scale))
+
+
+def _graph(call):
+    """The op as a function of arrays only (the Call's own arrays come last), so mx.compile can trace it."""
+    rot, norm, ops = call.rotation, call.norm, MlxOps
+
+    def graph(q, k, v, positions, slots, k_pool, v_pool, freqs, table, qw, kw, k_scale, v_scale):
+        cos, sin, ok = arraymath.cos_sin(rot, positions, freqs, table, ops) if rot.rotary_dim else (None,) * 3
+        k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head, k_pe [T, r] or [T, 1, r]
+        v3 = v if v.ndim == 3 else v[:, None]  # and kv_c [T, rank]
+        q_rot = arraymath.rope_and_norm(q, cos, sin, rot, norm, qw, ops).astype(q.dtype)
+        k_rot = arraymath.rope_and_norm(k3, cos, sin, rot, norm, kw, ops).astype(k.dtype)
+        ids, keep = targets(call.pool, slots, ok)
+        k_pool = write(k_pool, call.pool, ids, keep, _to_pool(k_rot, call, k_scale, k_pool))
+        v_pool = write(v_pool, call.pool, ids, keep, _to_pool(v3, call, v_scale, v_pool))
+        return q_rot, k_rot.reshape(k.shape), k_pool, v_pool
+
+    return graph
+
+
+_GRAPHS: dict = {}  # static key -> (eager graph, compiled graph)
+
+
 class Prepared:
     def __init__(self, call):
         self.call = call
+        rot = call.rotation
+        key = _static_key(call)
+        graphs = _GRAPHS.get(key)
+        if graphs is None:
+            if len(_GRAPHS) > 256:
+                _GRAPHS.clear()
+            graph = _graph(call)
+            graphs = _GRAPHS[key] = (graph, mx.compile(graph))
+        self.eager, self.compiled = graphs
+        qw, kw = (None, None) if call.norm is None else call.norm.weights
+        freqs = device_array(rot.freqs) if rot.table is None and rot.rotary_dim else None
+        self.arrays = (freqs, rot.table, qw, kw, call.k_scale, call.v_scale)
 
     def bind(self, *arrays):
         return self.run
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):  # outs: torch only
-        call, rot, ops = self.call, self.call.rotation, MlxOps
-        freqs = None if rot.table is not None or not rot.rotary_dim else device_array(rot.freqs)
-        cos, sin, ok = arraymath.cos_sin(rot, positions, freqs, rot.table, ops) if rot.rotary_dim else (None,) * 3
-        qw, kw = (None, None) if call.norm is None else call.norm.weights
-        k3, v3 = (k, v) if k.ndim == 3 else (k[:, None], v[:, None])  # MLA: one latent head
-        q_rot = arraymath.rope_and_norm(q, cos, sin, rot, call.norm, qw, ops).astype(q.dtype)
-        k_rot = arraymath.rope_and_norm(k3, cos, sin, rot, call.norm, kw, ops).astype(k.dtype)
-        k_pool = write(k_pool, call, slots, ok, _to_pool(k_rot, call, call.k_scale, k_pool))
-        v_pool = write(v_pool, call, slots, ok, _to_pool(v3, call, call.v_scale, v_pool))
-        return q_rot, k_rot.reshape(k.shape), k_pool, v_pool
+        T = q.shape[0]
+        if T <= COMPILE_MAX_TOKENS:
+            return self.compiled(q, k, v, positions, slots, k_pool, v_pool, *self.arrays)
+        if T <= CHUNK_TOKENS or self.call.rotation.long_from is not None:  # longrope: one choice per call
+            return self.eager(q, k, v, positions, slots, k_pool, v_pool, *self.arrays)
+        # Chunks of tokens keep each float32 temporary small enough for the allocator to reuse
+        # (measured: bf16, Llama-3-8B, T = 4096 takes half the time); each chunk writes the pools
+        # the last returned, so they stay donated.
+        q_rot, k_rot = [], []
+        for s in range(0, T, CHUNK_TOKENS):
+            part = slice(s, s + CHUNK_TOKENS)
+            pos = positions[..., part]  # [T] or MRoPE's [3, T]
+            qr, kr, k_pool, v_pool = self.eager(q[part], k[part], v[part], pos, slots[part], k_pool, v_pool,
+                                                *self.arrays)
+            q_rot.append(qr)
+            k_rot.append(kr)
+        return mx.concatenate(q_rot), mx.concatenate(k_rot), k_pool, v_pool
 
 
 def prepare(call, tuning):
