@@ -90,14 +90,16 @@ def test_runs_under_compile(what, rng):
         assert_same_bits(f"{name} compiled vs eager", X.numpy(c), X.numpy(e))
 
 
-def test_graph_does_not_grow_with_tokens(rng):
-    """Same number of graph nodes for 2 tokens and for 300: no per-token Python loop."""
+@pytest.mark.parametrize("tokens", [(2, 60), (100, 250)], ids=["compiled", "eager"])
+def test_graph_does_not_grow_with_tokens(tokens, rng):
+    """The same number of graph nodes for few tokens and for many: no per-token Python loop (decode-sized
+    calls run as one compiled graph, larger ones eagerly: each pair stays on one path)."""
     counts = []
-    for T in (2, 300):
+    for T in tokens:
         arrays, kw = small_call(rng, T=T)
         mx.eval(*arrays)
         counts.append(primitives(*ropepool.rope_pool_fused(*arrays, **kw)))
-    assert counts[0] == counts[1], f"graph nodes: {counts[0]} for T=2, {counts[1]} for T=300"
+    assert counts[0] == counts[1], f"graph nodes: {counts[0]} for T={tokens[0]}, {counts[1]} for T={tokens[1]}"
 
 
 @pytest.mark.parametrize("scales", ["floats", "per-head"])
@@ -124,7 +126,8 @@ def test_uint8_pool_is_e4m3_as_to_fp8_stores_it(scales, rng):
         want = mx.to_fp8(mx.clip(rows.astype(mx.float32) / scale, -448.0, 448.0))
         assert pool.dtype == mx.uint8
         assert_same_bits(f"{name} rows", np.array(pool)[written], np.array(want)[slots >= 0])
-    assert (np.array(vp)[written][:, 1] & 0x7F == 0x7E).mean() > 0.9, "v head 1 saturates to +-448 (0x7e)"
+    # |v| > 0.28 saturates: about 93% of N(0, 9) draws, so > 0.8 of 320 holds for any seed
+    assert (np.array(vp)[written][:, 1] & 0x7F == 0x7E).mean() > 0.8, "v head 1 saturates to +-448 (0x7e)"
 
 
 def test_backend_choice(rng):

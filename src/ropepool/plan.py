@@ -83,7 +83,7 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
     are another key: they must be rejected by a full check.
     """
     if _compiling is None or _compiling() or not _SEEN:  # under torch.compile: traced in full, every time
-        return None
+        return _lookup_mlx(scalars, arrays) if _SEEN_MLX else None
     try:
         entries = _SEEN.get((scalars, tuple(map(type, scalars))))
     except TypeError:  # an unhashable argument (rope={...}): checked in full, and rejected there
@@ -108,8 +108,15 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
 
 
 def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
-    """Keep ``run`` for later calls like this one (torch tensors with memory only)."""
+    """Keep ``run`` for later calls like this one (torch tensors with memory; MLX arrays)."""
     global _compiling
+    if call.framework == "mlx":
+        key = _mlx_key(scalars, arrays)
+        if key is not None:
+            if len(_SEEN_MLX) > _MAX_KEYS:
+                _SEEN_MLX.clear()
+            _SEEN_MLX[key] = (run, call)
+        return
     if call.framework != "torch" or tracing("torch"):
         return
     tensors = tuple(x for x in arrays if x is not None)
@@ -132,9 +139,41 @@ def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
     del entries[:-8]  # a few layouts per key in practice; never many
 
 
+# --- the MLX layout cache: what validation read of an MLX call is its arrays' types, shapes and dtypes.
+
+_SEEN_MLX: dict = {}  # (scalars, their types, each array's type, shape but the token count, dtype) -> (run, call)
+
+
+def _mlx_key(scalars, arrays):
+    """The key of an MLX call's layout, or None (token counts that disagree, an unhashable argument)."""
+    try:
+        T = arrays[0].shape[0]
+        if not arrays[1].shape[0] == arrays[2].shape[0] == arrays[4].shape[0] == arrays[3].shape[-1] == T:
+            return None
+        token_free = [x.shape[1:] for x in arrays[:3]] + [arrays[3].shape[:-1], ()]
+        layout = tuple((type(x), shape, x.dtype) for x, shape in zip(arrays, token_free + [arrays[5].shape,
+                                                                                            arrays[6].shape]))
+        key = (scalars, tuple(map(type, scalars)), layout, arrays[7] is None and arrays[8] is None)
+        hash(key)
+        return key
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _lookup_mlx(scalars, arrays):
+    key = _mlx_key(scalars, arrays)
+    hit = None if key is None else _SEEN_MLX.get(key)
+    if hit is None:
+        return None
+    run, call = hit
+    check_host_values(call, arrays[3], arrays[4])  # values are per call
+    return run
+
+
 def forget() -> None:
     """Drop every remembered layout (after tuning changes, in tests)."""
     _SEEN.clear()
+    _SEEN_MLX.clear()
 
 
 def _tensor_guard(tensors, mrope_positions: bool):

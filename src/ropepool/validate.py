@@ -523,6 +523,8 @@ def check_values(positions, slots, pool_size: int, max_position: int | None = No
         t = int(np.argmax(slt >= pool_size))
         raise RopePoolError(f"slots must be < pool_size ({pool_size}); got slots[{t}] = {int(slt[t])}. "
                             "Fix: allocate slots inside the pool, or pass -1 to skip a token.")
+    if used.size < 2:  # a decode step of one token: nothing to repeat (np.unique costs ~20 us)
+        return
     uniq, counts = np.unique(used, return_counts=True)
     if uniq.size != used.size:
         s = int(uniq[counts > 1][0])
