@@ -56,11 +56,10 @@ def default_split(call) -> int:
     return next(s for s in (8, 4, 2, 1) if call.num_qo_heads % s == 0)
 
 
-def default_warps(call) -> int:
-    """Two warps a program for Llama-like tiles (the H200 sweep in docs/benchmarks.md); tiles of more
-    than ~8k elements (MLA's 128 heads) get more threads to hold them."""
-    elements = (call.num_qo_heads + call.num_kv_heads) * call.head_dim + call.num_kv_heads * call.v_head_dim
-    return 2 if elements <= 8192 else 4 if elements <= 16384 else 8
+# Two warps a program: what the H200 sweep chose for every Llama-like geometry (docs/benchmarks.md).
+# (Four for tiles over 8k elements was tried untuned: (64, 8) heads with the fused norm then reached
+# 60% of copy bandwidth, where (32, 8) at two reached 93%.)
+DEFAULT_WARPS = 2
 
 
 def _features(call, split: int) -> dict:
@@ -115,7 +114,7 @@ class Launcher:
         geom = call.pool
         where = (-1 if geom.layer is None else geom.layer, geom.kv_layout or "", int(geom.headed))
         return cls(_features(call, split), _features(call, 1), tuning.small_tokens, split,
-                   tuning.num_warps or default_warps(call), where)
+                   tuning.num_warps or DEFAULT_WARPS, where)
 
     def args(self) -> tuple:
         """This launcher as the custom op's arguments: lists of ints and floats, and a str."""
