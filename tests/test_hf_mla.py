@@ -33,7 +33,8 @@ built here: ``from_hf_config`` does not give DeepSeek's GPT-J pairs yet.
 from __future__ import annotations
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="torch is not installed: this module tests the torch paths")
 
 import ropepool
 from ropepool import RopeSpec
