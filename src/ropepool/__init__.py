@@ -7,7 +7,7 @@ from .api import rope_latent_fused, rope_pool_fused
 from .errors import RopePoolError
 from .norm import QKNorm
 from .spec import CosSinCache, RopeSpec
-from .validate import validate_slots
+from .values import validate_slots
 
 if sys.modules.get("torch") is not None:  # torch is in use already: ready its backends before anything is compiled
     from .backends import load_torch_backends

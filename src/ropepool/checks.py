@@ -1,0 +1,51 @@
+"""The small checks every part of validation uses: ints, shapes, strides, where an array lives."""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from .dtypes import framework_of
+from .errors import RopePoolError
+
+
+def _shape(x) -> list:
+    return list(x.shape)
+
+
+def _is_int(val) -> bool:
+    return isinstance(val, numbers.Integral) and not isinstance(val, (bool, np.bool_))
+
+
+def _ints(**values):
+    out = []
+    for name, val in values.items():
+        if not _is_int(val):
+            raise TypeError(f"{name} must be an int; got {type(val).__name__} {val!r}. Fix: pass an int.")
+        if val <= 0:
+            raise RopePoolError(f"{name} must be positive; got {val}. Fix: pass the model's value.")
+        out.append(int(val))
+    return out
+
+
+def _reshape(fw) -> str:
+    """The call that reshapes without a copy, in the framework's words."""
+    return "view" if fw == "torch" else "reshape"
+
+
+def _same_place(name, x, q):
+    """``x`` (a norm weight, a table, a scale) must be an array of q's framework and device."""
+    if framework_of(x) != framework_of(q) or getattr(x, "device", None) != getattr(q, "device", None):
+        where = f" on {x.device}" if hasattr(x, "device") else ""
+        raise TypeError(f"{name} as a tensor must come from q's framework and device; got "
+                        f"{type(x).__module__}.{type(x).__name__}{where}. Fix: move it next to q "
+                        f"(.to(q.device)), or pass a float where one is accepted.")
+
+
+def _check_strides(**tensors):
+    for name, x in tensors.items():
+        if x.stride(-1) != 1 and x.shape[-1] > 1 and x.numel():  # an empty tensor's strides mean nothing
+            fix = (f"{name}.contiguous() (it is only read)" if name == "positions" or x.ndim == 1 else
+                   "pass a view whose last dim is contiguous (any token/head stride is fine)")
+            raise RopePoolError(f"{name} must have a contiguous last dim (stride 1); got strides {list(x.stride())}. "
+                                f"Fix: {fix}.")

@@ -1,0 +1,150 @@
+"""Checks of the KV pools of a call: rank and layout, shapes, dtypes (fp8), scales, distinct memory.
+
+Part of validation (validate.py calls them in order); each raises before
+anything is written, naming the argument and the fix.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from .checks import _is_int, _reshape, _same_place, _shape
+from .dtypes import FP8_DTYPES, MLX_FP8, dtype_name, framework_of, tracing
+from .errors import RopePoolError
+from .layout import KV_LAYOUTS, PoolGeometry, pool_geometry, pool_rank
+
+
+def _pool_fix(fw, name, pool, heads, dim) -> str:
+    shape = tuple(pool.shape)
+    if pool.ndim == 4 and shape[0] == 1 and shape[2:] == (heads, dim):
+        return f"squeeze the extra leading dim of size 1 ({name}[0]), or pass layer=0"
+    if pool.ndim == 4:
+        return (f"pass layer=<index> or index the layer dimension first ({name}[layer]) for a layer-stacked "
+                "[num_layers, pool_size, num_kv_heads, head_dim] pool, or kv_layout='NHD'/'HND' for a paged pool")
+    if pool.ndim == 2 and shape[1] == heads * dim:
+        return f"reshape to [pool_size, num_kv_heads, head_dim]: {name}.{_reshape(fw)}(-1, {heads}, {dim})"
+    if pool.ndim == 5:
+        return "pass layer=<index> and kv_layout='NHD' or 'HND' for a layer-stacked paged pool"
+    return "pass a [pool_size, num_kv_heads, head_dim] pool"
+
+
+def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim, fw, headed=True) -> PoolGeometry:
+    """Geometry of the pools (k_pool's; v_pool has the same but rows v_dim wide)."""
+    if layer is not None and not _is_int(layer):
+        raise TypeError(f"layer must be an int; got {type(layer).__name__}. Fix: pass the layer index.")
+    if kv_layout is not None and kv_layout not in KV_LAYOUTS:
+        raise RopePoolError(f"kv_layout must be None, 'NHD' or 'HND'; got {kv_layout!r}. "
+                            "Fix: None for [pool_size, heads, dim], 'NHD' for [pages, page_size, heads, dim], "
+                            "'HND' for [pages, heads, page_size, dim].")
+    want = pool_rank(kv_layout, layer, headed)
+    for name, pool in zip(names, (k_pool, v_pool)):
+        if pool.ndim == want:
+            continue
+        if kv_layout is None and layer is None and headed:
+            raise RopePoolError(
+                f"rope_pool_fused expects pool tensors to be 3-D; got {name} of shape {_shape(pool)} "
+                f"({pool.ndim}-D). Fix: {_pool_fix(fw, name, pool, heads, dim)}.")
+        where = "" if kv_layout is None else f" with kv_layout={kv_layout!r}"
+        stacked = "" if layer is None else " with layer= (a leading layer dim)"
+        if pool.ndim == want - 1 and layer is not None:
+            fix = "drop layer= for a single-layer pool"
+        elif pool.ndim == want - 1:
+            fix = "drop kv_layout= for a flat pool"
+        elif pool.ndim == want + 1 and layer is None:
+            fix = "pass layer=<index> for a layer-stacked pool"
+        else:
+            fix = "pass the pool in the layout named"
+        raise RopePoolError(f"{op} expects pool tensors to be {want}-D{where}{stacked}; got {name} of shape "
+                            f"{_shape(pool)}. Fix: {fix}.")
+    k_geom = pool_geometry(k_pool.shape, layer, kv_layout, headed)
+    v_geom = pool_geometry(v_pool.shape, layer, kv_layout, headed)
+    if (k_geom.num_layers, k_geom.num_pages, k_geom.page_size, k_geom.num_heads) != \
+            (v_geom.num_layers, v_geom.num_pages, v_geom.page_size, v_geom.num_heads) or v_geom.dim != v_dim:
+        if headed:
+            raise RopePoolError(f"v_pool shape must match k_pool shape, got {_shape(v_pool)} vs {_shape(k_pool)}. "
+                                "Fix: pass K and V pools of one cache.")
+        raise RopePoolError(f"ckv_cache must have kpe_cache's slots and kv_lora_rank ({v_dim}) features; got "
+                            f"ckv_cache {_shape(v_pool)}, kpe_cache {_shape(k_pool)}. Fix: pass the two column "
+                            "views of one latent cache (cache[..., :kv_lora_rank], cache[..., kv_lora_rank:]).")
+    if layer is not None:
+        n = k_geom.num_layers
+        if not -n <= layer < n:
+            raise RopePoolError(f"layer must be in [{-n}, {n}) for a pool of {n} layers; got {layer}. "
+                                "Fix: pass a layer index of this pool.")
+        k_geom = pool_geometry(k_pool.shape, int(layer) % n, kv_layout, headed)
+    if (k_geom.num_heads, k_geom.dim) != (heads, dim):
+        expect = {None: "[pool_size, num_kv_heads, head_dim]", "NHD": "[num_pages, page_size, num_kv_heads, head_dim]",
+                  "HND": "[num_pages, num_kv_heads, page_size, head_dim]"}[kv_layout]
+        if not headed:
+            expect = expect.replace("num_kv_heads, ", "").replace("head_dim", "rope_dim")
+        raise RopePoolError(
+            f"{names[0]} has incompatible shape {_shape(k_pool)}: expected {expect} with num_kv_heads={heads}, "
+            f"head_dim={dim}. Fix: pass the pool of this layer's KV heads (or the matching kv_layout).")
+    return k_geom
+
+
+def _check_pool_dtypes(names, k_pool, v_pool, dt, fw) -> str | None:
+    """The pools' fp8 format, or None when they hold q's dtype."""
+    fp8_names = MLX_FP8 if fw == "mlx" else {n: n for n in FP8_DTYPES}
+    for name, pool in zip(names, (k_pool, v_pool)):
+        pdt = dtype_name(pool)
+        if pdt != dt and pdt not in fp8_names:
+            fp8 = "uint8 (e4m3, as mx.to_fp8 stores it)" if fw == "mlx" else "float8_e4m3fn / float8_e5m2"
+            raise RopePoolError(f"pool dtypes must match q/k/v dtype; got {name} {pdt}, q {dt}. Fix: allocate "
+                                f"{name} in q's dtype, or as {fp8} with scales.")
+    if dtype_name(k_pool) != dtype_name(v_pool):
+        raise RopePoolError(f"pool dtypes must match each other; got {names[0]} {dtype_name(k_pool)}, {names[1]} "
+                            f"{dtype_name(v_pool)}. Fix: allocate both pools with one dtype.")
+    return fp8_names.get(dtype_name(k_pool)) if dtype_name(k_pool) != dt else None
+
+
+def _check_pool_scales(names, scales, fp8, pool, q, per_head):
+    if fp8 is None:
+        given = [n for n, s in zip(names, scales) if s is not None]
+        if given:
+            raise RopePoolError(f"{'/'.join(names)} {'are' if len(names) > 1 else 'is'} for float8 pools; got "
+                                f"{'/'.join(given)} with a {dtype_name(pool)} pool. Fix: drop the scales, or "
+                                "allocate the pool as float8_e4m3fn / float8_e5m2.")
+        return scales
+    missing = [n for n, s in zip(names, scales) if s is None]
+    if missing:
+        raise RopePoolError(f"a {fp8} pool needs {' and '.join(n + '=' for n in names)} (stored value = value / "
+                            f"scale); got no {' and '.join(missing)}. Fix: pass the cache's scales (1.0 if it "
+                            "has none).")
+    return tuple(_check_scale(n, s, q, per_head) for n, s in zip(names, scales))
+
+
+def _check_scale(name, s, q, per_head):
+    """A float > 0, or a float32 array of q's framework and device: one element, or [per_head]."""
+    if isinstance(s, numbers.Real) and not isinstance(s, (bool, np.bool_)):  # NumPy scalars too
+        if not (0 < float(s) < math.inf):
+            raise RopePoolError(f"{name} must be a finite float > 0; got {s!r}. Fix: pass the cache's scale.")
+        return float(s)
+    shapes = ((), (1,)) + (((per_head,),) if per_head else ())
+    if framework_of(s) is None or tuple(s.shape) not in shapes:
+        given = type(s).__name__ if framework_of(s) is None else f"shape {_shape(s)}"
+        if per_head:
+            raise TypeError(f"{name} must be a float, a one-element float32 tensor or one per KV head "
+                            f"([{per_head}]); got {given}. Fix: pass float(scale) or a tensor of shape [1] or "
+                            f"[{per_head}].")
+        raise TypeError(f"{name} must be a float or a one-element float32 tensor; got {given}. "
+                        "Fix: pass float(scale) or a tensor of shape [1].")
+    _same_place(name, s, q)
+    if dtype_name(s) != "float32":
+        raise RopePoolError(f"{name} as a tensor must be float32; got {dtype_name(s)}. Fix: {name}.float().")
+    # On the CPU the value costs no device sync: check it like a float's.
+    if framework_of(s) == "numpy" or (framework_of(s) == "torch" and s.device.type == "cpu" and not tracing("torch")):
+        vals = np.asarray(s, dtype=np.float64).reshape(-1)
+        if not ((vals > 0) & (vals < math.inf)).all():
+            raise RopePoolError(f"{name} must be a finite float > 0; got a tensor holding {vals.tolist()!r}. "
+                                "Fix: pass the cache's scale.")
+    return s
+
+
+def _check_distinct_pools(names, a, b):
+    # Meta tensors have no memory (data_ptr() is 0 for all of them); fakes under torch.compile neither.
+    if not tracing("torch") and a.numel() and a.device.type != "meta" and a.data_ptr() == b.data_ptr():
+        raise RopePoolError(f"{names[0]} and {names[1]} are the same memory. Fix: pass two pools "
+                            "(for a combined [2, ...] tensor pass kv[0] and kv[1]).")
