@@ -74,7 +74,8 @@ U = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8}  # roundings counted in k; f
 
 def _capture(module, query, key, value, attention_mask, **kwargs):
     module.ropepool_seen = (query, key, value)
-    return torch.zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1], dtype=query.dtype), None
+    return torch.zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1], dtype=query.dtype,
+                       device=query.device), None
 
 
 transformers.AttentionInterface.register(CAPTURE, _capture)

@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import ropepool  # noqa: E402
+from ropepool import validate  # noqa: E402
 from tests.harness import (  # noqa: E402
     assert_same_bits,
     backend_for,
@@ -106,3 +108,27 @@ def test_layout_cache_across_token_counts(tbackend, first, rng):
         res = run_checked(X, q, k, v, make_positions(rng, T), slots,
                           poison(make_cache(rng, "bfloat16", P, Hkv, D), slots))
         assert res.q_rot.is_contiguous() and res.k_rot.is_contiguous()
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_large_calls_split_big_tiles(style, monkeypatch, rng):
+    """Above small_tokens a token's heads go to one program unless its q tile would pass 32 x 128
+    features: (64, 8) heads of 128 are split over two programs, each writing its half of the KV heads."""
+    X = backend_for("triton")
+    ropepool_plan = pytest.importorskip("ropepool.plan")
+    from ropepool.backends import triton_op
+    T, Hq, Hkv, D, P = 5, 64, 8, 128, 16
+    q, k, v = (X.array(randn(rng, t, h, D, dtype="bfloat16")) for t, h in ((T, Hq), (T, Hkv), (T, Hkv)))
+    slots = make_slots(rng, T, P)
+    rope = ropepool.RopeSpec(head_dim=D, style=style)
+    cache = poison(make_cache(rng, "bfloat16", P, Hkv, D), slots)
+    cache.owners = [X.array(o) for o in cache.owners]
+    call = validate.check(q, k, v, X.array(make_positions(rng, T)), X.array(slots), *cache.pools(), head_dim=D,
+                          num_qo_heads=Hq, num_kv_heads=Hkv, rope=rope)
+    assert triton_op.large_split(call) == 2
+    monkeypatch.setattr(ropepool_plan, "DEFAULT_TUNING", ropepool_plan.Tuning(small_tokens=0))  # every T is large
+    ropepool_plan.forget()
+    try:
+        run_checked(X, q, k, v, make_positions(rng, T), slots, cache, rope=rope)
+    finally:
+        ropepool_plan.forget()

@@ -56,6 +56,19 @@ def default_split(call) -> int:
     return next(s for s in (8, 4, 2, 1) if call.num_qo_heads % s == 0)
 
 
+def large_split(call) -> int:
+    """Programs a token's heads are split over above ``small_tokens`` tokens.
+
+    A program's q tile stays at most Llama-3-8B's 32 x 128 features, where
+    two warps hold it in registers: larger tiles spill ((64, 8) heads with the
+    fused norm ran 8% slower whole than split in two; H200 sweep in
+    docs/benchmarks.md)."""
+    split = 1
+    while _tile(call.num_qo_heads // split) * call.head_dim > 4096 and call.num_qo_heads % (2 * split) == 0:
+        split *= 2
+    return split
+
+
 # Two warps a program: what the H200 sweep chose for every Llama-like geometry (docs/benchmarks.md).
 # (Four for tiles over 8k elements was tried untuned: (64, 8) heads with the fused norm then reached
 # 60% of copy bandwidth, where (32, 8) at two reached 93%.)
@@ -103,17 +116,17 @@ class Launcher:
     layout's arguments (layer or -1, kv_layout or "", headed).
     """
 
-    def __init__(self, small: dict, large: dict, small_tokens: int, split: int, warps: int, where: tuple):
-        self.features = (small, large)
-        self.small_tokens, self.split, self.warps, self.where = small_tokens, split, warps, where
+    def __init__(self, small: dict, large: dict, small_tokens: int, splits: tuple, warps: int, where: tuple):
+        self.features, self.splits = (small, large), splits  # per variant: constexprs, programs a token
+        self.small_tokens, self.warps, self.where = small_tokens, warps, where
         self._bound: dict = {}
 
     @classmethod
     def for_call(cls, call, tuning) -> "Launcher":
-        split = tuning.head_split or default_split(call)
+        splits = (tuning.head_split or default_split(call), large_split(call))
         geom = call.pool
         where = (-1 if geom.layer is None else geom.layer, geom.kv_layout or "", int(geom.headed))
-        return cls(_features(call, split), _features(call, 1), tuning.small_tokens, split,
+        return cls(*(_features(call, s) for s in splits), tuning.small_tokens, splits,
                    tuning.num_warps or DEFAULT_WARPS, where)
 
     def args(self) -> tuple:
@@ -121,7 +134,7 @@ class Launcher:
         small, large = self.features
         return ([small[n] for n in _INT_FEATURES], [large[n] for n in _INT_FEATURES],
                 [small[n] for n in _FLOAT_FEATURES],
-                [self.small_tokens, self.split, self.warps, self.where[0], self.where[2]], self.where[1])
+                [self.small_tokens, *self.splits, self.warps, self.where[0], self.where[2]], self.where[1])
 
     @classmethod
     def from_args(cls, small, large, floats, ints, kv_layout) -> "Launcher":
@@ -129,10 +142,10 @@ class Launcher:
         launcher = _LAUNCHERS.get(key)
         if launcher is None:
             f = dict(zip(_FLOAT_FEATURES, floats))
-            small_tokens, split, warps, layer, headed = ints
+            small_tokens, split_small, split_large, warps, layer, headed = ints
             launcher = _LAUNCHERS[key] = cls({**dict(zip(_INT_FEATURES, small)), **f},
-                                             {**dict(zip(_INT_FEATURES, large)), **f},
-                                             small_tokens, split, warps, (layer, kv_layout, headed))
+                                             {**dict(zip(_INT_FEATURES, large)), **f}, small_tokens,
+                                             (split_small, split_large), warps, (layer, kv_layout, headed))
         return launcher
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None, table=None):
@@ -195,7 +208,7 @@ class _Launch:
                                        | ptrs[8]) % 16 and hooks.launch_enter_hook is None:
             # The whole launch of a decode step: nothing is looked up but the stream.
             launch, lead, tail = direct
-            launch(T, ln.split if variant == 0 else 1, 1, _stream_of(q.device.index), *lead, None, None,
+            launch(T, ln.splits[variant], 1, _stream_of(q.device.index), *lead, None, None,
                    hooks.launch_exit_hook, *ptrs, *tail)
             return
         self.launch(T, variant, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras)
@@ -210,7 +223,7 @@ class _Launch:
         align = True if bits % 16 == 0 else tuple(p is None or p % 16 == 0 for p in ptrs + more)
         scalars = (self.pool_size, positions.stride(0) if positions.ndim == 2 else 0)
         kernel = self.kernels.get((variant, align))
-        split = ln.split if variant == 0 else 1
+        split = ln.splits[variant]
         if kernel is not None:
             # What JITFunction.run does once it has found the compiled kernel.
             stream = _stream_of(q.device.index)
