@@ -389,7 +389,7 @@ def test_rejected_after_an_equal_valid_call(good, bad, exc, match, X):
 # --- the torch layout cache --------------------------------------------------------------------
 
 SCALARS = ("head_dim", "num_qo_heads", "num_kv_heads", "rope_base", "rope", "layer", "k_scale", "v_scale",
-           "kv_layout", "backend", "qk_norm", "q_scale", "k_out_scale")
+           "kv_layout", "backend", "qk_norm", "q_scale", "k_out_scale", "k_scale_cache", "v_scale_cache")
 
 
 def cached(args):

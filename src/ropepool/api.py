@@ -97,7 +97,7 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
     """
     arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
     scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout, backend,
-               qk_norm, q_scale, k_out_scale, q_out is None, k_out is None, k_scale_cache, v_scale_cache)
+               qk_norm, q_scale, k_out_scale, k_scale_cache, v_scale_cache, q_out is None, k_out is None)
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
