@@ -307,7 +307,7 @@ def test_layout_detection_and_errors():
     with pytest.raises(ValueError, match=r"^kv_cache_dtype 'int4_per_token_head' is not one ropepool writes"):
         rv.rope_and_cache(*[None] * 8, kv_cache_dtype="int4_per_token_head")
     key, cache = torch.empty(3, 2, d), torch.empty(5, 2, 16, 2, d + 4, dtype=torch.int8)
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype 'int8_per_token_head' needs k_scale_cache and v_scale_cache"):
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype 'int8_per_token_head' needs k_scale_cache and "):
         rv.rope_and_cache(key, key, key, torch.zeros(3), None, True, cache, torch.zeros(3),
                           kv_cache_dtype="int8_per_token_head")
 

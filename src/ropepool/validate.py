@@ -19,8 +19,14 @@ from .dtypes import FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, dty
 from .errors import RopePoolError
 from .layout import PoolGeometry
 from .norm import QKNorm
-from .pool_checks import (_check_distinct_pools, _check_pool_dtypes, _check_pool_scales, _check_pools, _check_scale,
-                          _check_scale_caches)
+from .pool_checks import (
+    _check_distinct_pools,
+    _check_pool_dtypes,
+    _check_pool_scales,
+    _check_pools,
+    _check_scale,
+    _check_scale_caches,
+)
 from .spec import CosSinCache, RopeSpec, Rotation
 from .values import check_values
 
