@@ -2,7 +2,8 @@
 
 Features (issues 16-19, 22): ``table`` (an engine's cos/sin table; a layer without RoPE),
 ``qknorm`` (Gemma 3's D = 256 per-head norm), ``mrope`` (Qwen2.5-VL, Qwen3-VL), ``mla``
-(DeepSeek-V3's latent cache, bf16 and fp8) and ``fp8q`` (fp8 q out beside an fp8 cache).
+(DeepSeek-V3's latent cache, bf16 and fp8), ``fp8q`` (fp8 q out beside an fp8 cache) and ``pth``
+(per-token-head int8 / e4m3 caches: each row's scale computed and stored in the same launch).
 Each provider is first checked against the float64 oracle on poisoned pools (every pool row
 it should not write must keep its poison), then timed with ``ropepool.bench.Clock``: CUDA-graph
 replay to 16384 tokens, back-to-back eager calls above. The method: docs/benchmarks_features.md.
@@ -50,6 +51,7 @@ class Geo:
     mla: bool = False
     fp8: bool = False  # fp8 e4m3 pools (and fp8 q out for GQA)
     norm: bool = False
+    pth: str | None = None  # per-token-head pools of this dtype, with float32 scale caches
 
 
 def _mrope(base, section, interleaved):
@@ -67,6 +69,7 @@ FEATURES = {
     "mla": {f"dsv3{tp}-{dt}": Geo((h, 512, 64), DSV3, MLA_PEERS, mla=True, fp8=dt == "fp8")
             for dt in ("bf16", "fp8") for tp, h in (("", 128), ("-tp8", 16))},
     "fp8q": {"llama3-8b": Geo((32, 8, 128), LLAMA, ("ropepool", "flashinfer"), fp8=True)},
+    "pth": {f"llama3-8b-{dt}": Geo((32, 8, 128), LLAMA, ("ropepool",), pth=dt) for dt in ("int8", "float8_e4m3fn")},
 }
 
 
@@ -201,9 +204,11 @@ class GqaCtx(Ctx):
     def __init__(self, geo, device, pool_size, cpu):
         super().__init__(geo, device, pool_size, cpu)
         Hq, Hkv, D = geo.heads
-        self.kp = torch.empty(pool_size, Hkv, D, dtype=E4M3 if geo.fp8 else BF16, device=device)
+        pool_dtype = getattr(torch, geo.pth) if geo.pth else E4M3 if geo.fp8 else BF16
+        self.kp = torch.empty(pool_size, Hkv, D, dtype=pool_dtype, device=device)
         self.vp = torch.empty_like(self.kp)
-        self.pools = (self.kp, self.vp)
+        self.scales = tuple(torch.empty(pool_size, Hkv, device=device) for _ in "kv") if geo.pth else ()
+        self.pools = (self.kp, self.vp, *self.scales)  # poisoned and checked untouched, scale caches too
         if geo.norm:
             g = torch.Generator().manual_seed(1)
             self.w = [(0.1 * torch.randn(D, generator=g)).to(device, BF16) for _ in "qk"]
@@ -230,6 +235,9 @@ class GqaCtx(Ctx):
 
     def readback(self, s, q_out, idx):
         sl = s["slots_l"][idx]
+        if self.geo.pth:  # each row times its own scale (_rows multiplied one-byte rows by SCALE)
+            return {"q": _rows(q_out, idx), **{n: (_rows(p, sl)[0] / SCALE * sc[sl].double().cpu().numpy()[..., None],
+                                                   True) for n, p, sc in zip("kv", (self.kp, self.vp), self.scales)}}
         return {"q": _rows(q_out, idx), "k": _rows(self.kp, sl), "v": _rows(self.vp, sl)}
 
     def providers(self):
@@ -237,9 +245,10 @@ class GqaCtx(Ctx):
         spec, fp8 = self.geo.spec, self.geo.fp8
         rows = 3 if spec.mrope_section else 1
 
-        def nb(k_out=2, table=0):
-            return lambda T: gqa_bytes(T, Hq, Hkv, D, q_out=1 if fp8 else 2, k_out=k_out, pool=1 if fp8 else 2,
-                                       pos_rows=rows, table=table)
+        def nb(k_out=2, table=0):  # per-token-head: one-byte rows and a float32 scale per row written
+            return lambda T: gqa_bytes(T, Hq, Hkv, D, q_out=1 if fp8 else 2, k_out=k_out,
+                                       pool=1 if fp8 or self.geo.pth else 2, pos_rows=rows,
+                                       table=table) + T * 2 * Hkv * 4 * bool(self.geo.pth)
         qkv = ("q", "k", "v", "pos_l", "slots_l")
         vllm = (vllm_mrope, qkv, getattr(self, "table16", None), list(spec.mrope_section or ()), spec.mrope_interleaved)
         every = {
@@ -262,6 +271,8 @@ class GqaCtx(Ctx):
         kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope=rope, qk_norm=norm)
         if self.geo.fp8:
             kw.update(k_scale=SCALE, v_scale=SCALE, q_scale=SCALE)
+        if self.geo.pth:
+            kw.update(k_scale_cache=self.scales[0], v_scale_cache=self.scales[1])
 
         def make(s):
             q_out = torch.empty(s["q"].shape, dtype=E4M3, device=self.device) if self.geo.fp8 else None

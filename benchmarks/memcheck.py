@@ -3,7 +3,7 @@
 Out-of-range and negative slots, and positions outside a CosSinCache (past
 it, negative, huge; MRoPE rows too), straight into the kernel: the public
 call on CUDA reads no values, so nothing checks them. Every pool layout
-(flat, paged NHD / HND, layer-stacked) and MLA's latent caches, each pool a
+(flat, paged NHD / HND, layer-stacked) and MLA's latent caches, per-token-head scale caches, each pool a
 view inside a larger buffer whose other bytes are canaries. The sanitizer
 must report no invalid access; the canaries must be intact; no token whose
 slot or position is bad may write.
@@ -72,6 +72,22 @@ def latent_case(rope, positions):
     print(f"MLA latent cache, rope {type(rope).__name__}: no write outside the caches")
 
 
+def per_token_head_case(positions):
+    """int8 paged pools with per-token-head scale caches, 64 q heads (the large-call head split)."""
+    q = torch.randn(T, 64, D, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(T, Hkv, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    (k_pool, k_big), (v_pool, v_big) = (in_canaries((P // 16, 16, Hkv, D), torch.int8) for _ in range(2))
+    (k_sc, ks_big), (v_sc, vs_big) = (in_canaries((P // 16, 16, Hkv), torch.float32) for _ in range(2))
+    bigs = (k_big, v_big, ks_big, vs_big)
+    before = [b.clone() for b in bigs]
+    ropepool.rope_pool_fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D, num_qo_heads=64,
+                             num_kv_heads=Hkv, kv_layout="NHD", k_scale_cache=k_sc, v_scale_cache=v_sc)
+    torch.cuda.synchronize()
+    for name, big, b in zip(("k pool", "v pool", "k scales", "v scales"), bigs, before):
+        check_canaries(f"per-token-head {name}", big, b)
+    print("per-token-head int8 pools and scale caches: no write outside them")
+
+
 def table_positions_never_write():
     """Positions outside the table write nothing, whatever their slot: a flat pool, all slots good."""
     q, k, v = (torch.randn(T, h, D, device=DEV, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
@@ -97,6 +113,7 @@ def main():
     pools_case("NHD", 3, CosSinCache(table(64), mrope_section=(8, 12, 12)), bad_pos3)
     latent_case(RopeSpec(head_dim=64, style="gptj"), pos)
     latent_case(CosSinCache(table(64), is_neox=False), bad_pos)
+    per_token_head_case(pos)
     table_positions_never_write()
     print("memcheck driver done")
 

@@ -72,3 +72,30 @@ torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, torch.arange(4
 def test_compile_first_in_a_process():
     """A server may compile its model before any eager call: the op must trace in a fresh process."""
     subprocess.run([sys.executable, "-c", FIRST], check=True, capture_output=True, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_compile_per_token_head(name, rng):
+    """Per-token-head scale caches under torch.compile (the custom op declares them written, through the
+    paged views it is handed): compiled == eager, pools and scale caches bit for bit."""
+    X = backend_for(name)
+    T, Hq, Hkv, D, P = 6, 3, 2, 64, 16
+
+    def step(q, k, v, pos, slots, kp, vp, ks, vs):
+        return ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv,
+                                        kv_layout="NHD", k_scale_cache=ks, v_scale_cache=vs, backend=X.name)[:2]
+
+    arrays = [X.array(a) for a in (randn(rng, T, Hq, D), randn(rng, T, Hkv, D), randn(rng, T, Hkv, D),
+                                   make_positions(rng, T), make_slots(rng, T, P))]
+    written = [torch.zeros(P // 4, 4, Hkv, D, dtype=torch.int8) for _ in range(2)] + [
+        torch.zeros(P // 4, 4, Hkv) for _ in range(2)]
+    copies = [w.clone() for w in written]
+    plan.forget()
+    want = step(*arrays, *written)
+    plan.forget()
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*arrays, *copies)
+    names = ("q_rot", "k_rot", "k_pool", "v_pool", "k_scale_cache", "v_scale_cache")
+    for what, g, w in zip(names, (*got, *copies), (*want, *written)):
+        assert_same_bits(f"{what}: compiled vs eager", X.numpy(g), X.numpy(w))
+    assert written[2].abs().sum() > 0, "scales were written"

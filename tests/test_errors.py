@@ -71,6 +71,12 @@ def fp8(**scales):
     return both(pools((P, HKV, D), "float8_e4m3fn"), change(**scales))
 
 
+def pth(pool="int8", **given):
+    """int8 / float8 pools (torch) and the per-token-head arguments ``given`` (values as change() takes them)."""
+    make = torch_(lambda t, a: t.zeros(P, HKV, D).to(getattr(t, pool)))
+    return both(change(k_pool=make, v_pool=make), change(**given))
+
+
 def arr(x, dtype=None):
     """An array of the call's framework, made from NumPy when the case runs."""
     return lambda a, X: X.array(np.asarray(x) if dtype is None else np.asarray(x, dtype))
@@ -93,6 +99,7 @@ def C(id, bad, exc, match, only=None, marks=(), prime=True):
 
 
 
+SCALES = torch_(lambda t, a: t.ones(P, HKV))  # a per-token-head scale cache of the flat pools
 TABLE = cos_sin_table(64, RopeSpec(head_dim=D).inv_freq)
 MROPE = RopeSpec(head_dim=D, mrope_section=(2, 3, 3))
 
@@ -290,6 +297,32 @@ CASES = [
       r"^q_out/k_out are for torch tensors; got them with mx\.array inputs", "mlx"),
     C("q_scale-with-mlx", change(q_scale=0.5), ValueError,
       r"^q_scale is for a float8 q_out tensor; got q_scale without one\. Fix: drop q_scale", "mlx"),
+    # per-token-head scale caches
+    C("int8-pool-without-scale-caches", pth(), ValueError,
+      r"^an int8 pool needs per-token-head scales; got k_pool int8 without k_scale_cache/v_scale_cache\. "
+      r"Fix: pass k_scale_cache= and v_scale_cache=", TORCH),
+    C("pth-only-k_scale_cache", pth(k_scale_cache=SCALES), ValueError,
+      r"^per-token-head scales need both k_scale_cache and v_scale_cache; got only k_scale_cache", TORCH),
+    C("pth-with-k_scale", pth("float8_e4m3fn", k_scale_cache=SCALES, v_scale_cache=SCALES, k_scale=0.5), ValueError,
+      r"^k_scale cannot be combined with k_scale_cache/v_scale_cache; got both\. Fix: drop k_scale", TORCH),
+    C("pth-float-pools", change(k_scale_cache=SCALES, v_scale_cache=SCALES), ValueError,
+      r"^k_scale_cache/v_scale_cache are for int8 or float8 pools; got them with a float32 pool", TORCH),
+    C("pth-cache-list", pth(k_scale_cache=[[1.0] * HKV] * P, v_scale_cache=SCALES), TypeError,
+      r"^k_scale_cache must be a float32 torch\.Tensor of shape \[12, 2\] \(k_pool's shape without its last "
+      r"dim\); got list", TORCH),
+    C("pth-cache-transposed", pth(k_scale_cache=SCALES, v_scale_cache=torch_(lambda t, a: t.ones(HKV, P))),
+      ValueError, r"^v_scale_cache must have v_pool's shape without its last dim, \[12, 2\]; got \[2, 12\]", TORCH),
+    C("pth-cache-float16", pth(k_scale_cache=torch_(lambda t, a: t.ones(P, HKV, dtype=t.float16)),
+                               v_scale_cache=SCALES), ValueError, r"^k_scale_cache must be float32; got float16",
+      TORCH),
+    C("pth-cache-on-another-device", pth(k_scale_cache=SCALES, v_scale_cache=torch_(
+        lambda t, a: t.ones(P, HKV, device="meta"))), TypeError,
+      r"^v_scale_cache as a tensor must come from q's framework and device", TORCH),
+    C("pth-caches-same-memory", pth(k_scale_cache=SCALES, v_scale_cache=lambda a, X: a["k_scale_cache"]),
+      ValueError, r"^k_scale_cache and v_scale_cache are the same memory", TORCH),
+    C("pth-with-mlx", change(k_scale_cache=arr(np.ones((P, HKV), np.float32)),
+                             v_scale_cache=arr(np.ones((P, HKV), np.float32))), TypeError,
+      r"^k_scale_cache/v_scale_cache are for torch tensors; got them with mx\.array inputs", "mlx"),
     # backend
     C("backend-unknown", change(backend="cuda"), ValueError,
       r"^backend must be one of \['mlx', 'torch', 'triton'\] or None; got 'cuda'"),
@@ -389,7 +422,7 @@ def test_rejected_after_an_equal_valid_call(good, bad, exc, match, X):
 # --- the torch layout cache --------------------------------------------------------------------
 
 SCALARS = ("head_dim", "num_qo_heads", "num_kv_heads", "rope_base", "rope", "layer", "k_scale", "v_scale",
-           "kv_layout", "backend", "qk_norm", "q_scale", "k_out_scale")
+           "kv_layout", "backend", "qk_norm", "q_scale", "k_out_scale", "k_scale_cache", "v_scale_cache")
 
 
 def cached(args):

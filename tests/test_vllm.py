@@ -281,8 +281,8 @@ def test_register_installs_the_adapter(fake_vllm, backend, rng):
     run_case(call, "kv_first", "NHD", BF16, "fp8", True, 64, 64, BF16, backend, rng)
 
 
-@pytest.mark.parametrize("impl_args", [("int8_per_token_head",), ("fp8_per_token_head",), ("auto", "layers.0.attn")],
-                         ids=["int8-per-token-head", "fp8-per-token-head", "kv-sharing"])
+@pytest.mark.parametrize("impl_args", [("int4_per_token_head",), ("fp8_per_token_head",), ("auto", "layers.0.attn")],
+                         ids=["int4-per-token-head", "per-token-head-without-scale-views", "kv-sharing"])
 def test_register_leaves_unsupported_layers_to_vllm(fake_vllm, impl_args):
     rv.register()
     impl = fake_vllm(*impl_args)
@@ -304,8 +304,12 @@ def test_layout_detection_and_errors():
     assert rv.detect_layout(torch.empty(5, 2, 16, 2 * d), d) == "packed"
     with pytest.raises(ValueError, match=r"^cannot tell the vLLM cache layout of kv_cache \[2, 2, 16, 2, 8\]"):
         rv.detect_layout(torch.empty(2, 2, 16, 2, d), d)  # two blocks: either layout
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype 'int8_per_token_head' is not one ropepool writes"):
-        rv.rope_and_cache(*[None] * 8, kv_cache_dtype="int8_per_token_head")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype 'int4_per_token_head' is not one ropepool writes"):
+        rv.rope_and_cache(*[None] * 8, kv_cache_dtype="int4_per_token_head")
+    key, cache = torch.empty(3, 2, d), torch.empty(5, 2, 16, 2, d + 4, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype 'int8_per_token_head' needs k_scale_cache and "):
+        rv.rope_and_cache(key, key, key, torch.zeros(3), None, True, cache, torch.zeros(3),
+                          kv_cache_dtype="int8_per_token_head")
 
 
 # --- per-token-head caches (kv_cache_dtype "int8_per_token_head", "fp8_per_token_head") --------------
@@ -371,7 +375,6 @@ def test_per_token_head_reference(layout, cache_dtype, rng):
     assert_same_bits("bytes of slots not written", kv_cache[~touched], before[~touched])
 
 
-@pytest.mark.skip(reason="per-token-head scales not implemented yet")
 @pytest.mark.parametrize("layout, cache_dtype", PER_TOKEN_HEAD)
 def test_per_token_head_ropepool(layout, cache_dtype, backend, rng):
     """The proposed call: vLLM's data views as the pools and its float32 scale views as k_scale_cache /
@@ -400,3 +403,35 @@ def test_per_token_head_ropepool(layout, cache_dtype, backend, rng):
     else:
         for got, wanted in zip(got_views[:2], want_views[:2]):
             assert interpreter_fp8_slips(got, wanted, cache_dtype).all()
+
+
+@pytest.mark.parametrize("layout, cache_dtype", PER_TOKEN_HEAD)
+def test_register_per_token_head(fake_vllm, monkeypatch, layout, cache_dtype, backend, rng):
+    """register(): a per-token-head layer with vLLM's scale views is written by ropepool through
+    rope_and_cache, data and scales exactly as the port of _reshape_cache_per_token_head writes them."""
+    monkeypatch.setattr(rv, "probe_layout", lambda backend_cls: None)  # the layout read from each cache
+    rv.register()
+    kv_dtype = "int8_per_token_head" if cache_dtype == torch.int8 else "fp8_per_token_head"
+    impl = fake_vllm(kv_dtype)
+
+    def ensure_scale_caches(kv_cache):  # TritonAttentionImpl._ensure_scale_caches, as the port builds it
+        impl._k_scale_cache, impl._v_scale_cache = ref.per_token_head_views(kv_cache, 64, cache_dtype, layout)[2:]
+
+    impl._ensure_scale_caches = ensure_scale_caches
+    assert impl.fused_rope_kvcache_supported()
+    q, k, v, positions, table, slots = vllm_inputs(rng, BF16, 64, 64, BF16)
+    n = slots.shape[0]
+    kv_cache = ref.per_token_head_cache(3, 16, k.shape[1], 64, cache_dtype, layout, fill=0x55).to(DEVICE)
+    want, v0 = kv_cache.cpu(), v.clone()
+    impl.do_rope_and_kv_cache_update(types.SimpleNamespace(_k_scale=None, _v_scale=None), q, k, v, positions, table,
+                                     True, kv_cache, slots)
+    ref.reshape_and_cache_per_token_head(k[:n].cpu(), v0[:n].cpu(), *ref.per_token_head_views(
+        want, 64, cache_dtype, layout), slots.cpu())
+    got, wanted = (ref.per_token_head_views(c, 64, cache_dtype, layout) for c in (kv_cache.cpu(), want))
+    for name, a, b in zip(("k scales", "v scales"), got[2:], wanted[2:]):
+        assert_same_bits(name, a, b)
+    if cache_dtype == torch.int8 or backend == "torch" or not INTERPRETER:
+        assert_same_bits("kv_cache (vLLM's per-token-head write, the rest untouched)", kv_cache.cpu(), want)
+    else:
+        for a, b in zip(got[:2], wanted[:2]):
+            assert interpreter_fp8_slips(a, b, cache_dtype).all()

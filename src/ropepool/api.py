@@ -12,7 +12,8 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
                     head_dim: int, num_qo_heads: int, num_kv_heads: int, rope_base: float = 10000.0,
                     rope=None, layer: int | None = None, k_scale=None, v_scale=None, kv_layout: str | None = None,
                     q_out: Array | None = None, k_out: Array | None = None, backend: str | None = None,
-                    qk_norm=None, q_scale=None, k_out_scale=None) -> tuple[Array, Array, Array, Array]:
+                    qk_norm=None, q_scale=None, k_out_scale=None, k_scale_cache: Array | None = None,
+                    v_scale_cache: Array | None = None) -> tuple[Array, Array, Array, Array]:
     """Rotate q and k (RoPE) and write the rotated k and v into the KV pools at ``slots``.
 
     Parameters
@@ -52,6 +53,13 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
         Per-head RMS norm of q and k before (or after) the rotation.
     q_scale, k_out_scale : float or one-element float32 tensor
         With float8 ``q_out`` / ``k_out``.
+    k_scale_cache, v_scale_cache : torch.Tensor, optional
+        Per-token-head dynamic scales, vLLM's ``int8_per_token_head`` /
+        ``fp8_per_token_head``: float32, shaped like the pools without their
+        last dim (any strides), pools int8 / float8. Each written (slot, head)
+        row stores ``row * (1 / s)``, saturated (int8: truncated), with
+        ``s = max(amax(|row|) / QMAX, 1e-6)`` stored at the same place of the
+        scale cache (docs/layouts.md). Not with k_scale / v_scale.
 
     Returns
     -------
@@ -89,13 +97,14 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
     """
     arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
     scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout, backend,
-               qk_norm, q_scale, k_out_scale, q_out is None, k_out is None)
+               qk_norm, q_scale, k_out_scale, k_scale_cache, v_scale_cache, q_out is None, k_out is None)
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
                               num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope,
                               layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout, q_out=q_out,
-                              k_out=k_out, qk_norm=qk_norm, q_scale=q_scale, k_out_scale=k_out_scale)
+                              k_out=k_out, qk_norm=qk_norm, q_scale=q_scale, k_out_scale=k_out_scale,
+                              k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
         run = plan.make(call, q, backend).bind(*arrays)
         plan.remember(scalars, arrays, call, run)
     return run(*arrays)

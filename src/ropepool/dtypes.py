@@ -13,6 +13,9 @@ INDEX_DTYPES = ("int32", "int64")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # The largest finite value of each fp8 format: stores saturate to it.
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+# Per-token-head caches (vLLM's int8_per_token_head / fp8_per_token_head) may also be int8: each
+# (token, head) row stores row * (1 / scale), saturated, with scale = max(amax(|row|) / QMAX, 1e-6) (docs/layouts.md).
+QMAX = {**FP8_MAX, "int8": 127.0}
 # MLX has no fp8 dtype: mx.to_fp8 stores e4m3 in uint8 arrays, so on MLX a
 # uint8 pool is an e4m3 pool.
 MLX_FP8 = {"uint8": "float8_e4m3fn"}

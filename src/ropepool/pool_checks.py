@@ -11,7 +11,7 @@ import numbers
 import numpy as np
 
 from .checks import _is_int, _reshape, _same_place, _shape
-from .dtypes import FP8_DTYPES, MLX_FP8, dtype_name, framework_of, tracing
+from .dtypes import FP8_DTYPES, FRAMEWORK_TYPES, MLX_FP8, dtype_name, framework_of, tracing
 from .errors import RopePoolError
 from .layout import KV_LAYOUTS, PoolGeometry, pool_geometry, pool_rank
 
@@ -85,11 +85,19 @@ def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim,
     return k_geom
 
 
-def _check_pool_dtypes(names, k_pool, v_pool, dt, fw) -> str | None:
-    """The pools' fp8 format, or None when they hold q's dtype."""
+def _check_pool_dtypes(names, k_pool, v_pool, dt, fw, per_token_head=None) -> str | None:
+    """The pools' quantized format (fp8, or int8 with per-token-head scales), or None when they hold q's dtype.
+
+    ``per_token_head``: whether scale caches were given; None where the call cannot take them."""
     fp8_names = MLX_FP8 if fw == "mlx" else {n: n for n in FP8_DTYPES}
+    if per_token_head:
+        fp8_names = {**fp8_names, "int8": "int8"}
     for name, pool in zip(names, (k_pool, v_pool)):
         pdt = dtype_name(pool)
+        if pdt == "int8" and per_token_head is False:
+            raise RopePoolError(f"an int8 pool needs per-token-head scales; got {name} int8 without k_scale_cache/"
+                                "v_scale_cache. Fix: pass k_scale_cache= and v_scale_cache= (float32, shaped like "
+                                "the pool without its last dim), or allocate the pool in q's dtype.")
         if pdt != dt and pdt not in fp8_names:
             fp8 = "uint8 (e4m3, as mx.to_fp8 stores it)" if fw == "mlx" else "float8_e4m3fn / float8_e5m2"
             raise RopePoolError(f"pool dtypes must match q/k/v dtype; got {name} {pdt}, q {dt}. Fix: allocate "
@@ -141,6 +149,40 @@ def _check_scale(name, s, q, per_head):
             raise RopePoolError(f"{name} must be a finite float > 0; got a tensor holding {vals.tolist()!r}. "
                                 "Fix: pass the cache's scale.")
     return s
+
+
+def _check_scale_caches(names, caches, fmt, pools, q, scales, fw):
+    """Per-token-head scale caches (vLLM's int8/fp8_per_token_head): float32, each shaped like its pool
+    without the last dim, on q's device; only with quantized pools and without static scales."""
+    given = [n for n, c in zip(names, caches) if c is not None]
+    if len(given) == 1:
+        raise RopePoolError(f"per-token-head scales need both {' and '.join(names)}; got only {given[0]}. "
+                            "Fix: pass both (one float32 scale per slot and KV head for each pool).")
+    static = [n for n, s in zip(("k_scale", "v_scale"), scales) if s is not None]
+    if static:
+        raise RopePoolError(f"{'/'.join(static)} cannot be combined with {'/'.join(names)}; got both. Fix: drop "
+                            f"{'/'.join(static)} (per-token-head pools compute each row's scale).")
+    if fmt is None:
+        raise RopePoolError(f"{'/'.join(names)} are for int8 or float8 pools; got them with a "
+                            f"{dtype_name(pools[0])} pool. Fix: drop them, or allocate the pools as int8 / "
+                            "float8_e4m3fn / float8_e5m2.")
+    for name, cache, pool in zip(names, caches, pools):
+        want = _shape(pool)[:-1]
+        if framework_of(cache) != fw:
+            raise TypeError(f"{name} must be a float32 {FRAMEWORK_TYPES[fw]} of shape {want} ({name[0]}_pool's "
+                            f"shape without its last dim); got {type(cache).__name__}. Fix: torch.empty({want}, "
+                            "dtype=torch.float32, device=q.device).")
+        _same_place(name, cache, q)
+        if _shape(cache) != want:
+            raise RopePoolError(f"{name} must have {name[0]}_pool's shape without its last dim, {want}; got "
+                                f"{_shape(cache)}. Fix: one scale per slot and KV head, laid out like the pool "
+                                "(vLLM: [num_blocks, block_size, num_kv_heads]; transpose(1, 2) of it for HND).")
+        if dtype_name(cache) != "float32":
+            raise RopePoolError(f"{name} must be float32; got {dtype_name(cache)}. Fix: allocate it as float32 "
+                                "(vLLM's scale caches are float32).")
+    if fw == "torch":
+        _check_distinct_pools(names, *caches)
+    return caches
 
 
 def _check_distinct_pools(names, a, b):

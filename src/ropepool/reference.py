@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import validate
+from .dtypes import QMAX
 from .layout import page_and_row, paged_view
 
 
@@ -77,36 +78,59 @@ def quantize(x, scale, dtype):
     return np.clip(np.asarray(x, dtype=np.float64) / scale, -top, top).astype(dtype)
 
 
-def _write(call, slots, pools_rows_scales):
+def quantize_per_token_head(x, dtype):
+    """vLLM's per-token-head quantizer (int8/fp8_per_token_head), in float64: each row of ``x [..., D]``
+    gets ``s = max(amax(|row|) / QMAX, 1e-6)`` and stores ``row / s`` saturated to ``[-QMAX, QMAX]``,
+    int8 truncated toward zero (vLLM's Triton store converts so), fp8 rounded to nearest even.
+
+    Returns ``(stored rows in dtype, s as float32 [...])``. QMAX: 127 (int8), 448 (e4m3), 57344 (e5m2);
+    vLLM's -128 floor for int8 is never reached (|row / s| <= 127).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    qmax = QMAX[np.dtype(dtype).name]
+    s = np.maximum(np.abs(x).max(-1, initial=0.0) / qmax, 1e-6)
+    y = np.clip(x / s[..., None], -qmax, qmax)
+    return (np.trunc(y) if np.dtype(dtype).kind == "i" else y).astype(dtype), s.astype(np.float32)
+
+
+def _write(call, slots, pools_rows_scales, scale_caches=(None, None)):
     write = np.asarray(slots) >= 0
     page, row = page_and_row(np.asarray(slots)[write], call.pool.page_size)
-    out = []
-    for pool, rows, scale in pools_rows_scales:
+    out, caches = [], []
+    for (pool, rows, scale), cache in zip(pools_rows_scales, scale_caches):
         pool = pool.copy()
         rows = rows[write]
         if rows.ndim == 2:  # a latent row: one head
             rows = rows[:, None]
-        if scale is not None:
+        if cache is not None:  # one scale per (slot, head), at the same place of the pool without its last dim
+            rows, s = quantize_per_token_head(rows, pool.dtype)
+            cache = np.array(cache, copy=True)
+            paged_view(cache[..., None], call.pool)[page, row] = s[..., None]
+            caches.append(cache)
+        elif scale is not None:
             rows = quantize(rows, scale, pool.dtype)
         paged_view(pool, call.pool)[page, row] = rows
         out.append(pool)
-    return out
+    return out + caches
 
 
 def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, num_kv_heads,
                     rope_base=10000.0, rope=None, layer=None, k_scale=None, v_scale=None, kv_layout=None,
-                    qk_norm=None):
-    """Oracle of :func:`ropepool.rope_pool_fused`; returns ``(q_rot, k_rot, k_pool, v_pool)`` as new arrays."""
+                    qk_norm=None, k_scale_cache=None, v_scale_cache=None):
+    """Oracle of :func:`ropepool.rope_pool_fused`; returns ``(q_rot, k_rot, k_pool, v_pool)`` as new arrays,
+    and with per-token-head scale caches the new ``k_scale_cache, v_scale_cache`` after them."""
     call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
                           num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
                           rope=rope, layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
-                          qk_norm=qk_norm, frameworks=("numpy",))
+                          qk_norm=qk_norm, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+                          frameworks=("numpy",))
     rot, norm = call.rotation, call.norm
     cos, sin = cos_sin(rot, positions)
     qw, kw = (None, None) if norm is None else norm.weights
     q_rot, k_rot = rope_and_norm(q, cos, sin, rot, norm, qw), rope_and_norm(k, cos, sin, rot, norm, kw)
-    k_pool, v_pool = _write(call, slots, ((k_pool, k_rot, k_scale), (v_pool, np.asarray(v), v_scale)))
-    return q_rot, k_rot, k_pool, v_pool
+    pools = _write(call, slots, ((k_pool, k_rot, k_scale), (v_pool, np.asarray(v), v_scale)),
+                   (k_scale_cache, v_scale_cache))
+    return (q_rot, k_rot, *pools)
 
 
 def rope_latent_fused(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, rope, kv_layout=None,

@@ -19,7 +19,14 @@ from .dtypes import FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, dty
 from .errors import RopePoolError
 from .layout import PoolGeometry
 from .norm import QKNorm
-from .pool_checks import _check_distinct_pools, _check_pool_dtypes, _check_pool_scales, _check_pools, _check_scale
+from .pool_checks import (
+    _check_distinct_pools,
+    _check_pool_dtypes,
+    _check_pool_scales,
+    _check_pools,
+    _check_scale,
+    _check_scale_caches,
+)
 from .spec import CosSinCache, RopeSpec, Rotation
 from .values import check_values
 
@@ -51,6 +58,14 @@ class Call:
     k_out_scale: object
     host_values: bool  # slot and position values are checked on every call (no device sync)
     latent: bool = False  # rope_latent_fused: k_pe may be [T, rope_dim]
+    # Per-token-head scales (vLLM's int8/fp8_per_token_head): float32 tensors shaped like the pools
+    # without their last dim, written at the same slots; ``fp8`` is then the pools' format, int8 included.
+    k_scale_cache: object = None
+    v_scale_cache: object = None
+
+    @property
+    def per_token_head(self) -> bool:
+        return self.k_scale_cache is not None
 
     @property
     def pool_size(self) -> int:
@@ -64,7 +79,8 @@ def default_spec(head_dim: int, rope_base: float) -> RopeSpec:
 
 def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, num_kv_heads, rope_base=10000.0,
           rope=None, layer=None, k_scale=None, v_scale=None, kv_layout=None, q_out=None, k_out=None, qk_norm=None,
-          q_scale=None, k_out_scale=None, frameworks=("torch", "mlx")) -> Call:
+          q_scale=None, k_out_scale=None, k_scale_cache=None, v_scale_cache=None,
+          frameworks=("torch", "mlx")) -> Call:
     """Check a rope_pool_fused call in full (raising on bad input) and describe it."""
     op = "rope_pool_fused"
     fw = _check_types(op, _ARRAYS, (q, k, v, positions, slots, k_pool, v_pool), frameworks)
@@ -98,8 +114,19 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
     dt = _check_dtypes(fw, ("q", "k", "v"), (q, k, v), positions, slots)
     pool = _check_pools(op, ("k_pool", "v_pool"), k_pool, v_pool, layer, kv_layout, num_kv_heads, head_dim,
                         head_dim, fw)
-    fp8 = _check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw)
-    k_scale, v_scale = _check_pool_scales(("k_scale", "v_scale"), (k_scale, v_scale), fp8, k_pool, q, num_kv_heads)
+    caches = (k_scale_cache, v_scale_cache)
+    pth = any(c is not None for c in caches)
+    if pth and fw == "mlx":
+        raise TypeError(f"k_scale_cache/v_scale_cache are for torch tensors; got them with {FRAMEWORK_TYPES[fw]} "
+                        "inputs. Fix: drop them (MLX calls are functional and return only the pools; "
+                        "per-token-head caches are a torch feature, docs/mlx.md).")
+    fp8 = _check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw, pth if fw != "mlx" else None)
+    if pth:
+        caches = _check_scale_caches(("k_scale_cache", "v_scale_cache"), caches, fp8, (k_pool, v_pool), q,
+                                     (k_scale, v_scale), fw)
+    else:
+        k_scale, v_scale = _check_pool_scales(("k_scale", "v_scale"), (k_scale, v_scale), fp8, k_pool, q,
+                                              num_kv_heads)
     norm = _check_norm(qk_norm, q, head_dim)
     if fw == "torch":
         # positions/slots too: the kernel reads them as flat int arrays.
@@ -117,7 +144,8 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
                                     f"Fix: drop {name} (fp8 outputs are torch tensors passed as {name[0]}_out).")
         q_fp8 = k_fp8 = None
     call = Call(fw, dt, num_qo_heads, num_kv_heads, head_dim, head_dim, pool, dtype_name(k_pool), fp8, rotation,
-                rows, norm, k_scale, v_scale, q_fp8, q_scale, k_fp8, k_out_scale, _host_values(fw, positions))
+                rows, norm, k_scale, v_scale, q_fp8, q_scale, k_fp8, k_out_scale, _host_values(fw, positions),
+                k_scale_cache=caches[0], v_scale_cache=caches[1])
     if call.host_values:
         check_host_values(call, positions, slots)
     return call

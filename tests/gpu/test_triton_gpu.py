@@ -205,6 +205,17 @@ def test_per_head_scales(fp8, v_scale, rng):
     call(rng, "bfloat16", 40, 32, 8, 128, pool=fp8, k_scale=k_scale, v_scale=vs)
 
 
+@pytest.mark.parametrize("pool", ["int8", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("T", [1, 64, 300])
+def test_per_token_head_exact(pool, T, rng):
+    """Per-token-head caches, Llama-3-8B heads, vLLM's paged NHD (block 16): data and scales bit for bit
+    as the port of vLLM's writer stores them (fp8 too: no interpreter allowance on a GPU);
+    the checks of tests/test_per_token_head.py."""
+    from tests.test_per_token_head import check_per_token_head
+
+    check_per_token_head(X, rng, "NHD", 16, None, None, pool, "bfloat16", None, T=T, Hq=32, Hkv=8, D=128, P=1024)
+
+
 # --- CUDA graphs and torch.compile, one call of each feature ---------------------------------
 
 def feature_calls(rng):
@@ -227,6 +238,9 @@ def feature_calls(rng):
         ((q, k, v, pos, slots, pool("float8_e4m3fn"), pool("float8_e4m3fn")),
          dict(heads, k_scale=X.array(np.linspace(0.1, 1, Hkv).astype(np.float32)),
               v_scale=X.array(np.linspace(1, 0.1, Hkv).astype(np.float32)), q_out=fp8_out, q_scale=0.25)),
+        ((q, k, v, pos, slots, pool("float8_e4m3fn"), pool("float8_e4m3fn")),
+         dict(heads, k_scale_cache=torch.zeros(P, Hkv, device="cuda"),
+              v_scale_cache=torch.zeros(P, Hkv, device="cuda"))),
     ]
 
 
@@ -234,14 +248,19 @@ def run_all(calls):
     return [ropepool.rope_pool_fused(*a, **kw)[:2] for a, kw in calls]
 
 
+WRITTEN = ("q_out", "k_scale_cache", "v_scale_cache")  # tensors of the kwargs a call writes
+
+
 def copies(calls):
-    return [(a[:5] + tuple(p.clone() for p in a[5:]), {**kw, **({"q_out": kw["q_out"].clone()} if "q_out" in kw
-                                                              else {})}) for a, kw in calls]
+    return [(a[:5] + tuple(p.clone() for p in a[5:]), {**kw, **{n: kw[n].clone() for n in WRITTEN if n in kw}})
+            for a, kw in calls]
 
 
 def assert_same(got_calls, got, want_calls, want):
-    for i, (g, w, (ga, _), (wa, _)) in enumerate(zip(got, want, got_calls, want_calls)):
-        for name, x, y in zip(("q_rot", "k_rot", "k_pool", "v_pool"), (*g, *ga[5:]), (*w, *wa[5:])):
+    for i, (g, w, (ga, gkw), (wa, wkw)) in enumerate(zip(got, want, got_calls, want_calls)):
+        names = ("q_rot", "k_rot", "k_pool", "v_pool", *(n for n in WRITTEN[1:] if n in gkw))
+        scales = tuple(gkw[n] for n in names[4:]), tuple(wkw[n] for n in names[4:])
+        for name, x, y in zip(names, (*g, *ga[5:], *scales[0]), (*w, *wa[5:], *scales[1])):
             assert_same_bits(f"call {i}: {name}", X.numpy(x), X.numpy(y))
 
 

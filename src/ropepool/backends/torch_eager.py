@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dtypes import FP8_MAX
+from ..dtypes import FP8_MAX, QMAX
 from ..layout import page_and_row, paged_view
 from . import arraymath
 
@@ -16,7 +16,16 @@ from . import arraymath
 class TorchOps:
     """What arraymath needs, spelled for torch."""
 
-    cos, sin, rsqrt, where, clip = torch.cos, torch.sin, torch.rsqrt, torch.where, torch.clamp
+    cos, sin, rsqrt, where, clip, trunc = torch.cos, torch.sin, torch.rsqrt, torch.where, torch.clamp, torch.trunc
+
+    @staticmethod
+    def div(x, number):
+        """IEEE division by a number (by a float, CUDA kernels multiply by its reciprocal)."""
+        return x / as_tensor_scale(number, x)
+
+    @staticmethod
+    def absmax_last(x):
+        return x.abs().amax(-1)
 
     @staticmethod
     def f32(x):
@@ -99,9 +108,13 @@ class Prepared:
         if ok is not None:
             write &= ok
         page, row = page_and_row(slots[write].long(), call.pool.page_size)
-        for pool, rows, scale in ((k_pool, k_rows, call.k_scale), (v_pool, v3, call.v_scale)):
+        for pool, rows, scale, cache in ((k_pool, k_rows, call.k_scale, call.k_scale_cache),
+                                         (v_pool, v3, call.v_scale, call.v_scale_cache)):
             rows = rows[write]
-            if call.fp8:
+            if cache is not None:  # per-token-head: each row's scale, where the pool keeps the row
+                rows, s = arraymath.quantize_per_token_head(rows.float(), QMAX[call.fp8], call.fp8 == "int8", ops)
+                paged_view(cache[..., None], call.pool).index_put_((page, row), s[..., None])
+            elif call.fp8:
                 rows = arraymath.quantize(rows.float(), as_tensor_scale(scale, q), FP8_MAX[call.fp8], ops)
             paged_view(pool, call.pool).index_put_((page, row), rows.to(pool.dtype))
         return q_rot, k_rot, k_pool, v_pool

@@ -10,9 +10,11 @@ A head is held as three tiles: the two halves of each rotated pair (``x1``,
 (``xp``). Each feature of the call is a constexpr over those tiles: the
 norm (a head_dim reduction on the row already in registers), MRoPE (each
 frequency picks one of three position rows), the engine's cos/sin table
-instead of computed angles, fp8 pools and fp8 q/k outputs, a latent head of
-another width (MLA's ``DV``). cos/sin are computed once per (token,
-frequency) and reused for every head, accurately at any angle (``_cos_sin``).
+instead of computed angles, fp8 pools and fp8 q/k outputs, per-token-head
+scales (``PTH``: each written row's amax gives its scale, vLLM's
+int8/fp8_per_token_head), a latent head of another width (MLA's ``DV``).
+cos/sin are computed once per (token, frequency) and reused for every head,
+accurately at any angle (``_cos_sin``).
 
 Pool stores are masked by ``0 <= slot < pool_size`` (and, with a table, a
 position inside it), so no input can write outside the pool, and nothing
@@ -89,11 +91,21 @@ def _fp8(x, scale, out_ptr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _store_out(ptr, x, mask, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    if FP8:
-        tl.store(ptr, _fp8(x, scale, ptr, FP8_MAX), mask=mask)
+def _quantize(x, scale, out_ptr, MODE: tl.constexpr, QMAX: tl.constexpr):
+    """x in out_ptr's dtype. MODE 0: a cast; 1: ``x / scale`` (fp8, _fp8); 2: ``x * scale`` with
+    ``scale`` the row's reciprocal, saturated (vLLM's per-token-head store; to int8 it truncates)."""
+    if MODE == 1:
+        return _fp8(x, scale, out_ptr, QMAX)
+    elif MODE == 2:
+        y = x.to(tl.float32) * scale
+        return tl.minimum(tl.maximum(y, -QMAX), QMAX).to(out_ptr.dtype.element_ty)
     else:
-        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+        return x.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _store_out(ptr, x, mask, scale, MODE: tl.constexpr, QMAX: tl.constexpr):
+    tl.store(ptr, _quantize(x, scale, ptr, MODE, QMAX), mask=mask)
 
 
 @triton.jit
@@ -115,15 +127,29 @@ def _load_pairs(row, i, mask, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, GPTJ
 
 @triton.jit
 def _store_pairs(row, x1, x2, i, mask, scale, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, GPTJ: tl.constexpr,
-                 FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                 MODE: tl.constexpr, QMAX: tl.constexpr):
     """_load_pairs' inverse: GPT-J halves joined back into whole rows, one contiguous store."""
     if GPTJ:
         c = tl.arange(0, 2 * BLOCK_HALF)[None, :]
         x = tl.reshape(tl.join(x1, x2), [x1.shape[0], 2 * BLOCK_HALF])
-        _store_out(row + c, x, mask & (c < 2 * HALF), scale, FP8, FP8_MAX)
+        _store_out(row + c, x, mask & (c < 2 * HALF), scale, MODE, QMAX)
     else:
-        _store_out(row + i, x1, mask & (i < HALF), scale, FP8, FP8_MAX)
-        _store_out(row + i + HALF, x2, mask & (i < HALF), scale, FP8, FP8_MAX)
+        _store_out(row + i, x1, mask & (i < HALF), scale, MODE, QMAX)
+        _store_out(row + i + HALF, x2, mask & (i < HALF), scale, MODE, QMAX)
+
+
+@triton.jit
+def _absmax(x):
+    """max |x| of each row of a [rows, features] tile (masked features hold 0)."""
+    return tl.max(tl.abs(x.to(tl.float32)), 1)
+
+
+@triton.jit
+def _pth_scale(amax, QMAX: tl.constexpr):
+    """Per-token-head scales of rows of this amax: max(amax / QMAX, 1e-6) and the reciprocal, [rows, 1],
+    IEEE-rounded as vLLM's reference computes them on the host."""
+    s = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1e-6)[:, None]
+    return s, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
 
 
 @triton.jit
@@ -138,11 +164,12 @@ def _scale(ptr, head, mask, PER_HEAD: tl.constexpr):
 @triton.jit(do_not_specialize=["pool_size", "pos_row_stride"])
 def rope_pool_kernel(
     q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, table, use_long, q_weight, k_weight,
-    k_scale_ptr, v_scale_ptr, q_scale_ptr, ko_scale_ptr, pool_size, pos_row_stride,
+    k_scale_ptr, v_scale_ptr, q_scale_ptr, ko_scale_ptr, ks_cache, vs_cache, pool_size, pos_row_stride,
     Q_ST: tl.constexpr, Q_SH: tl.constexpr, K_ST: tl.constexpr, K_SH: tl.constexpr,
     V_ST: tl.constexpr, V_SH: tl.constexpr, QO_ST: tl.constexpr, QO_SH: tl.constexpr,
     KO_ST: tl.constexpr, KO_SH: tl.constexpr, KP_PAGE: tl.constexpr, KP_ROW: tl.constexpr, KP_SH: tl.constexpr,
-    VP_PAGE: tl.constexpr, VP_ROW: tl.constexpr, VP_SH: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    VP_PAGE: tl.constexpr, VP_ROW: tl.constexpr, VP_SH: tl.constexpr, KS_PAGE: tl.constexpr, KS_ROW: tl.constexpr,
+    KS_SH: tl.constexpr, VS_PAGE: tl.constexpr, VS_ROW: tl.constexpr, VS_SH: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TABLE_ST: tl.constexpr, MAX_POSITION: tl.constexpr, ATTENTION_SCALING: tl.constexpr, NUM_KV: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr, BHQ: tl.constexpr, BHKV: tl.constexpr,
@@ -151,7 +178,7 @@ def rope_pool_kernel(
     S_W: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr,
     NORM: tl.constexpr, Q_W: tl.constexpr, K_W: tl.constexpr, EPS: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
-    Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr,
+    Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, PTH: tl.constexpr,
 ):
     # Tiles are [head, feature]. HQ and HKV are the heads of one program:
     # program (t, g) takes heads g * HQ ... of q and g * HKV ... of k and v
@@ -159,6 +186,7 @@ def rope_pool_kernel(
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     HALF: tl.constexpr = ROT // 2
+    POOL_Q: tl.constexpr = FP8 + 2 * PTH  # how pool rows are stored: _quantize's MODE
     hq = tl.arange(0, BHQ)[:, None]
     hk = tl.arange(0, BHKV)[:, None]
     q_head = g * HQ + hq  # the heads in memory
@@ -276,8 +304,13 @@ def rope_pool_kernel(
     kp_row = k_pool + page * KP_PAGE + in_page * KP_ROW + kv_head * KP_SH
     vp_row = v_pool + page * VP_PAGE + in_page * VP_ROW + kv_head * VP_SH
     mkw = (hk < p_heads) & (kv_head < NUM_KV)
+    if PTH:  # each (token, head) row's scale, stored where the pool keeps the row; the rows take its reciprocal
+        ks, k_scale = _pth_scale(tl.maximum(tl.maximum(_absmax(k1), _absmax(k2)), _absmax(k_pass)), FP8_MAX)
+        vs, v_scale = _pth_scale(_absmax(tl.where(dv < DV, vals, 0.0)), FP8_MAX)
+        tl.store(ks_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH, ks, mask=mkw)
+        tl.store(vs_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH, vs, mask=mkw)
     if ROT > 0:
-        _store_pairs(kp_row, k1, k2, i, mkw, k_scale, HALF, BLOCK_HALF, GPTJ, FP8, FP8_MAX)
+        _store_pairs(kp_row, k1, k2, i, mkw, k_scale, HALF, BLOCK_HALF, GPTJ, POOL_Q, FP8_MAX)
     if ROT < D:
-        _store_out(kp_row + j, k_pass, mkw & mj, k_scale, FP8, FP8_MAX)
-    _store_out(vp_row + dv, vals, mkw & (dv < DV), v_scale, FP8, FP8_MAX)
+        _store_out(kp_row + j, k_pass, mkw & mj, k_scale, POOL_Q, FP8_MAX)
+    _store_out(vp_row + dv, vals, mkw & (dv < DV), v_scale, POOL_Q, FP8_MAX)

@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 import triton
 
-from ..dtypes import FP8_MAX
+from ..dtypes import FP8_MAX, QMAX
 from ..layout import paged_view, pool_geometry
 from .torch_eager import device_array
 from .triton_kernel import _INTERPRET, rope_pool_kernel
@@ -32,7 +32,8 @@ from .triton_kernel import _INTERPRET, rope_pool_kernel
 _CONSTEXPRS = [n for n, p in inspect.signature(rope_pool_kernel.fn).parameters.items()
                if p.annotation in ("tl.constexpr", triton.language.constexpr)]
 _STRIDES = ("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "KO_ST", "KO_SH",
-            "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH", "TABLE_ST")
+            "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH", "TABLE_ST", "KS_PAGE", "KS_ROW", "KS_SH",
+            "VS_PAGE", "VS_ROW", "VS_SH")
 _FLOAT_FEATURES = ("FP8_MAX", "Q_FP8_MAX", "K_FP8_MAX", "ATTENTION_SCALING", "EPS", "WEIGHT_OFFSET")
 _INT_FEATURES = tuple(n for n in _CONSTEXPRS if n not in _STRIDES and n not in _FLOAT_FEATURES)
 _KERNELS: dict = {}  # (constexpr values, warps, ...) -> compiled kernel, shared by every launcher
@@ -94,12 +95,13 @@ def _features(call, split: int) -> dict:
         S_W=section[2], MROPE_INTERLEAVED=rot.mrope_interleaved,
         NORM=0 if norm is None else 2 if norm.after_rope else 1,
         Q_W=norm is not None and norm.q_weight is not None, K_W=norm is not None and norm.k_weight is not None,
-        FP8=call.fp8 is not None, K_PER_HEAD=_numel(call.k_scale) > 1, V_PER_HEAD=_numel(call.v_scale) > 1,
-        Q_FP8=call.q_fp8 is not None, K_FP8=call.k_fp8 is not None,
+        FP8=call.fp8 is not None and not call.per_token_head, K_PER_HEAD=_numel(call.k_scale) > 1,
+        V_PER_HEAD=_numel(call.v_scale) > 1, Q_FP8=call.q_fp8 is not None, K_FP8=call.k_fp8 is not None,
+        PTH=call.per_token_head,
     )
     ints = {n: int(c[n]) for n in _INT_FEATURES}  # bools as ints: one spelling, one compiled kernel
     eps, offset = (1.0, 0.0) if norm is None else (norm.eps, norm.weight_offset)
-    floats = (FP8_MAX.get(call.fp8, 0.0), FP8_MAX.get(call.q_fp8, 0.0), FP8_MAX.get(call.k_fp8, 0.0),
+    floats = (QMAX.get(call.fp8, 0.0), FP8_MAX.get(call.q_fp8, 0.0), FP8_MAX.get(call.k_fp8, 0.0),
               rot.attention_scaling, eps, offset)
     return {**ints, **dict(zip(_FLOAT_FEATURES, floats))}
 
@@ -148,8 +150,10 @@ class Launcher:
                                              (split_small, split_large), warps, (layer, kv_layout, headed))
         return launcher
 
-    def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None, table=None):
-        """The runner for this layout (outputs not given will be new contiguous tensors)."""
+    def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None, table=None,
+             scale_caches=(None, None)):
+        """The runner for this layout (outputs not given will be new contiguous tensors). ``scale_caches``:
+        per-token-head scales as 4-D NHD views of the layer written (Prepared.extras)."""
         layer, kv_layout, headed = self.where
         geom = pool_geometry(k_pool.shape, None if layer < 0 else layer, kv_layout or None, bool(headed))
         kp, vp = paged_view(k_pool, geom), paged_view(v_pool, geom)
@@ -162,7 +166,8 @@ class Launcher:
             (k.shape[1] * k.shape[2], k.shape[2]) if k.ndim == 3 else (k.shape[1], 0))
         strides = (q.stride(0), q.stride(1), k.stride(0), head(k), v.stride(0), head(v), *qo, *ko,
                    kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1),
-                   vp.stride(2), 0 if table is None else table.stride(0))
+                   vp.stride(2), 0 if table is None else table.stride(0),
+                   *(s for c in scale_caches for s in (c.stride()[:3] if c is not None else (0, 0, 0))))
         offsets = ((kp.storage_offset() - k_pool.storage_offset()) * k_pool.element_size(),
                    (vp.storage_offset() - v_pool.storage_offset()) * v_pool.element_size())
         dtypes = (q.dtype, k.dtype, k_pool.dtype, q_out.dtype if q_out is not None else q.dtype,
@@ -268,7 +273,8 @@ def _direct_launch(kernel) -> tuple:
 
 
 def _more_pointers(extras, use_long) -> tuple:
-    """freqs, table, use_long, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale as pointers."""
+    """freqs, table, use_long, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale, k_scale_cache,
+    v_scale_cache as pointers."""
     return tuple(None if x is None else x.data_ptr() for x in (extras[0], extras[1], use_long, *extras[2:]))
 
 
@@ -293,14 +299,18 @@ class Prepared:
         self._extras: dict = {}
 
     def extras(self, device) -> tuple:
-        """freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale (None where absent)."""
+        """freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale, and the per-token-head
+        scale caches as 4-D NHD views of the layer written (None where absent)."""
         got = self._extras.get(device)
         if got is None:
             call, rot = self.call, self.call.rotation
             qw, kw = (None, None) if call.norm is None else call.norm.weights
             freqs = device_array(rot.freqs, device) if rot.table is None and rot.rotary_dim else None
             scales = (call.k_scale, call.v_scale, call.q_scale, call.k_out_scale)
-            got = self._extras[device] = (freqs, rot.table, qw, kw, *(_scale_tensor(s, device) for s in scales))
+            caches = (None if c is None else paged_view(c[..., None], call.pool)
+                      for c in (call.k_scale_cache, call.v_scale_cache))
+            got = self._extras[device] = (freqs, rot.table, qw, kw, *(_scale_tensor(s, device) for s in scales),
+                                          *caches)
         return got
 
     def fixed_pointers(self) -> bool:
@@ -309,7 +319,7 @@ class Prepared:
         call = self.call
         weights = call.norm is not None and any(w is not None for w in call.norm.weights)
         scales = any(isinstance(s, torch.Tensor) for s in (call.k_scale, call.v_scale, call.q_scale,
-                                                          call.k_out_scale))
+                                                          call.k_out_scale, call.k_scale_cache))
         return not weights and not scales and (call.rotation.long_from is None or call.rotation.table is not None)
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
@@ -321,7 +331,7 @@ class Prepared:
             launch, op_args = None, self.launcher.args()
         else:
             launch = self.launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
-                                        self.call.rotation.table)
+                                        self.call.rotation.table, extras[8:])
             if self.fixed_pointers():
                 launch.more = _more_pointers(extras, None)
 
@@ -341,18 +351,21 @@ class Prepared:
         return run
 
 
-@torch.library.custom_op("ropepool::rope_pool", mutates_args=("q_out", "k_out", "k_pool", "v_pool"))
+@torch.library.custom_op("ropepool::rope_pool", mutates_args=("q_out", "k_out", "k_pool", "v_pool", "k_scale_cache",
+                                                             "v_scale_cache"))
 def rope_pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  k_pool: torch.Tensor, v_pool: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
                  use_long: Optional[torch.Tensor], freqs: Optional[torch.Tensor], table: Optional[torch.Tensor],
                  q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],
-                 k_out_scale: Optional[torch.Tensor], small: List[int], large: List[int], floats: List[float],
+                 k_out_scale: Optional[torch.Tensor], k_scale_cache: Optional[torch.Tensor],
+                 v_scale_cache: Optional[torch.Tensor], small: List[int], large: List[int], floats: List[float],
                  ints: List[int], kv_layout: str) -> None:
     launcher = Launcher.from_args(small, large, floats, ints, kv_layout)
-    launch = launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, table)
+    launch = launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, table,
+                           (k_scale_cache, v_scale_cache))
     launch(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long,
-           (freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale))
+           (freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale, k_scale_cache, v_scale_cache))
 
 
 @rope_pool_op.register_fake

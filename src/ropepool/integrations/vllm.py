@@ -31,10 +31,12 @@ log = logging.getLogger(__name__)
 
 # kv_cache_dtype -> the element type the cache holds (None: the tensor's own dtype). vLLM
 # allocates fp8 caches as uint8 and views them as fp8; "fp8" means e4m3 on CUDA
-# (FlashAttentionBackend.get_fp8_dtype_for_flashattn). Per-token-head modes are absent:
-# ropepool does not compute dynamic scales yet, so vLLM keeps its own path for them.
+# (FlashAttentionBackend.get_fp8_dtype_for_flashattn). The per-token-head modes (TRITON_ATTN) pad
+# each head's row with its float32 scale; ropepool writes data and scale (docs/engines.md).
 CACHE_DTYPES = {"auto": None, "float16": None, "bfloat16": None, "float32": None,
-                "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+                "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+                "int8_per_token_head": torch.int8, "fp8_per_token_head": torch.float8_e4m3fn}
+PER_TOKEN_HEAD = ("int8_per_token_head", "fp8_per_token_head")
 
 # How each backend's kv_cache holds K and V. All three give key and value caches seen as
 # [num_blocks, block_size, num_kv_heads, head_size]; an HND physical order (vLLM's
@@ -91,7 +93,7 @@ def _table(cos_sin_cache: torch.Tensor, is_neox: bool) -> CosSinCache:
 
 def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cache, slot_mapping, *,
                    kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, layout: str | None = None,
-                   backend: str | None = None) -> None:
+                   backend: str | None = None, k_scale_cache=None, v_scale_cache=None) -> None:
     """What vLLM's ``do_rope_and_kv_cache_update`` does, as one ``ropepool.rope_pool_fused`` call.
 
     Parameters
@@ -110,21 +112,35 @@ def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cach
     kv_cache_dtype : a key of ``CACHE_DTYPES`` (vLLM's cache_config.cache_dtype)
     k_scale, v_scale : float32 tensors, one element or [num_kv_heads] (``layer._k_scale``,
         ``layer._v_scale``); fp8 caches store ``value / scale``. Ignored for other caches.
+    k_scale_cache, v_scale_cache : the per-token-head modes' float32 scale views
+        ``[num_blocks, block_size, num_kv_heads]`` (``impl._k_scale_cache`` after
+        ``impl._ensure_scale_caches(kv_cache)``); required for those modes, whose rows are
+        ``head_size`` data elements then the 4 bytes of the scale.
     layout : a key of ``LAYOUTS``; None reads it from kv_cache's shape.
     backend : ropepool backend (None: the Triton kernel on CUDA, the torch path elsewhere).
     """
     if kv_cache_dtype not in CACHE_DTYPES:
         raise RopePoolError(f"kv_cache_dtype {kv_cache_dtype!r} is not one ropepool writes; expected one of "
                             f"{sorted(CACHE_DTYPES)}. Fix: leave this layer to vLLM's own path (register() "
-                            "reports it unsupported), e.g. the per-token-head modes.")
+                            "reports it unsupported), e.g. int4_per_token_head or nvfp4.")
     head_size = key.shape[-1]
     n = slot_mapping.shape[0]
     q, k, v, pos = query[:n], key[:n], value[:n], positions[:n]
-    k_cache, v_cache = cache_views(kv_cache, layout or detect_layout(kv_cache, head_size), head_size)
     fp8 = CACHE_DTYPES[kv_cache_dtype]
+    scales = {} if fp8 is None else {"k_scale": k_scale, "v_scale": v_scale}
+    row = head_size
+    if kv_cache_dtype in PER_TOKEN_HEAD:
+        if k_scale_cache is None or v_scale_cache is None:
+            raise RopePoolError(f"kv_cache_dtype {kv_cache_dtype!r} needs k_scale_cache and v_scale_cache; got "
+                                f"{'none' if k_scale_cache is None and v_scale_cache is None else 'one'}. Fix: "
+                                "pass impl._k_scale_cache / impl._v_scale_cache after impl._ensure_scale_caches("
+                                "kv_cache) (register() does).")
+        row = head_size + 4 // kv_cache.element_size()  # the scale's float32 after each head's data
+        scales = {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache}
+    k_cache, v_cache = (c[..., :head_size] for c in cache_views(kv_cache, layout or detect_layout(kv_cache, row),
+                                                                 row))
     if fp8 is not None and k_cache.dtype != fp8:
         k_cache, v_cache = k_cache.view(fp8), v_cache.view(fp8)
-    scales = {} if fp8 is None else {"k_scale": k_scale, "v_scale": v_scale}
     rope_pool_fused(q, k, v, pos, slot_mapping, k_cache, v_cache, head_dim=head_size, num_qo_heads=q.shape[1],
                     num_kv_heads=k.shape[1], rope=_table(cos_sin_cache, is_neox), kv_layout="NHD", q_out=q,
                     k_out=k, backend=backend, **scales)
@@ -134,8 +150,10 @@ def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cach
 
 def supported(impl) -> bool:
     """Whether ropepool does this layer's write: decoder attention writing its own cache, a cache type
-    ropepool stores, on an NVIDIA GPU (ROCm's fp8 is e4m3fnuz, which ropepool does not store)."""
-    return (getattr(impl, "kv_cache_dtype", "auto") in CACHE_DTYPES
+    ropepool stores (per-token-head: with vLLM's scale views, ``_ensure_scale_caches``), on an NVIDIA GPU
+    (ROCm's fp8 is e4m3fnuz, which ropepool does not store)."""
+    dtype = getattr(impl, "kv_cache_dtype", "auto")
+    return (dtype in CACHE_DTYPES and (dtype not in PER_TOKEN_HEAD or hasattr(impl, "_ensure_scale_caches"))
             and getattr(impl, "kv_sharing_target_layer_name", None) is None
             and getattr(impl, "attn_type", "decoder") == "decoder"  # AttentionType.DECODER
             and _nvidia())
@@ -157,7 +175,7 @@ def probe_layout(backend_cls) -> str | None:
 
 def install(impl_cls, layout: str | None = None) -> None:
     """Route ``impl_cls``'s fused RoPE + cache write through ropepool wherever ``supported``;
-    elsewhere the class keeps its own methods (e.g. ROCm's AITER kernel, per-token-head caches)."""
+    elsewhere the class keeps its own methods (e.g. ROCm's AITER kernel, a backend without scale views)."""
     if getattr(impl_cls, "_ropepool_installed", False):
         return
     own_supported = getattr(impl_cls, "fused_rope_kvcache_supported", lambda self: False)
@@ -171,9 +189,13 @@ def install(impl_cls, layout: str | None = None) -> None:
         if not supported(self):
             return own_update(self, layer, query, key, value, positions, cos_sin_cache, is_neox, kv_cache,
                               layer_slot_mapping)
+        caches = {}
+        if self.kv_cache_dtype in PER_TOKEN_HEAD:  # vLLM's float32 views of the scale bytes of each row
+            self._ensure_scale_caches(kv_cache)
+            caches = {"k_scale_cache": self._k_scale_cache, "v_scale_cache": self._v_scale_cache}
         rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cache, layer_slot_mapping,
                        kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale, v_scale=layer._v_scale,
-                       layout=layout)
+                       layout=layout, **caches)
 
     impl_cls.fused_rope_kvcache_supported = fused_rope_kvcache_supported
     impl_cls.do_rope_and_kv_cache_update = do_rope_and_kv_cache_update
