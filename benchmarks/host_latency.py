@@ -22,6 +22,7 @@ import triton.language as tl
 
 import ropepool
 from ropepool import plan, validate
+from ropepool.backends import triton_op
 
 
 @triton.jit
@@ -48,12 +49,12 @@ def parts_of_a_call(T, args, kw):
     q, k = args[:2]
     ropepool.rope_pool_fused(*args, **kw)
     arrays = (*args, None, None)
-    scalars = (kw["head_dim"], kw["num_qo_heads"], kw["num_kv_heads"], kw["rope_base"], None, None, None, None, None,
-               None, None, None, None, True, True)  # api.rope_pool_fused's order
+    scalars = (kw["head_dim"], kw["num_qo_heads"], kw["num_kv_heads"], kw["rope_base"], *(None,) * 11,
+               True, True)  # api.rope_pool_fused's order
     print("layout cache:", "on" if plan.lookup(scalars, arrays) is not None else "OFF (no TensorGuards in this torch)")
     prep = plan.make(validate.check(*args, **kw), q, "triton").prepared
     launch, extras = prep.launcher.bind(*args), prep.extras(q.device)
-    launch.more = (extras[0].data_ptr(),) + (None,) * 8  # as Prepared.bind sets it
+    launch.more = triton_op._more_pointers(extras, None)  # as Prepared.bind sets it
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     return {
         f"  cache lookup T={T}": lambda: plan.lookup(scalars, arrays),

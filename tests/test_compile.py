@@ -87,8 +87,8 @@ def test_compile_per_token_head(name, rng):
 
     arrays = [X.array(a) for a in (randn(rng, T, Hq, D), randn(rng, T, Hkv, D), randn(rng, T, Hkv, D),
                                    make_positions(rng, T), make_slots(rng, T, P))]
-    written = [torch.zeros(P // 4, 4, Hkv, D, dtype=torch.int8) for _ in range(2)] + [
-        torch.zeros(P // 4, 4, Hkv) for _ in range(2)]
+    written = [torch.zeros(P // 4, 4, Hkv, D, dtype=torch.int8, device=X.device) for _ in range(2)] + [
+        torch.zeros(P // 4, 4, Hkv, device=X.device) for _ in range(2)]
     copies = [w.clone() for w in written]
     plan.forget()
     want = step(*arrays, *written)
