@@ -119,3 +119,13 @@ def test_env_without_torch():
         assert main(["env"]) == 0
     """)
     assert "ropepool" in out and "backends" in out, out
+
+
+def test_version_from_one_source(capsys):
+    """``ropepool --version`` prints the package's one version (src/ropepool/_version.py)."""
+    from ropepool import __version__
+    from ropepool.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ropepool {__version__}"

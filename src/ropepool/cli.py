@@ -34,7 +34,10 @@ def env_report() -> int:
 
 
 def main(argv=None) -> int:
+    from ._version import __version__
+
     p = argparse.ArgumentParser(prog="ropepool", description="RoPE + KV-pool write, fused.")
+    p.add_argument("--version", action="version", version=f"ropepool {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="run transformers' continuous batching with and without ropepool: tokens/s and "
                                  "whether the tokens match", add_help=False)
