@@ -177,3 +177,12 @@ def test_batched_decode_rotates_every_sequence(compiled, monkeypatch):
                                          slots[b:b + 1], *pools, **kw)
         np.testing.assert_allclose(np.array(alone[0][0]), np.array(q_rot[b]), rtol=0, atol=2e-6,
                                    err_msg=f"sequence {b}: batched q_rot differs from its call alone")
+
+
+def test_demo_runs_mlx_lm_with_and_without_ropepool(capsys):
+    """``ropepool demo --framework mlx``: every family's float32 tokens identical, exit 0."""
+    from ropepool.cli import main
+
+    assert main(["demo", "--framework", "mlx", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("tokens identical") == 4, out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -33,6 +34,15 @@ def env_report() -> int:
     return 0
 
 
+def _framework(args: list) -> tuple:
+    """(whether ``--framework mlx`` is among ``args``, the other args): MLX's demo and bench are their own
+    modules, which import neither torch nor transformers."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--framework", choices=("torch", "mlx"), default="torch")
+    a, rest = p.parse_known_args(args)
+    return a.framework == "mlx", rest
+
+
 def main(argv=None) -> int:
     from ._version import __version__
 
@@ -40,18 +50,14 @@ def main(argv=None) -> int:
     p.add_argument("--version", action="version", version=f"ropepool {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="run transformers' continuous batching with and without ropepool: tokens/s and "
-                                 "whether the tokens match", add_help=False)
-    sub.add_parser("bench", help="time ropepool beside eager PyTorch, torch.compile and a copy", add_help=False)
+                                 "whether the tokens match (--framework mlx: mlx-lm's models)", add_help=False)
+    sub.add_parser("bench", help="time ropepool beside eager PyTorch, torch.compile and a copy (--framework mlx: "
+                                  "beside hand-written MLX)", add_help=False)
     sub.add_parser("env", help="versions, devices and which backend would run")
     a, rest = p.parse_known_args(argv)
-    if a.cmd == "demo":
-        from .demo import main as demo
-
-        return demo(rest)
-    if a.cmd == "bench":
-        from .bench import main as bench
-
-        return bench(rest)
+    if a.cmd in ("demo", "bench"):  # demo.py / demo_mlx.py, bench.py / bench_mlx.py
+        mlx, rest = _framework(rest)
+        return importlib.import_module(f".{a.cmd}{'_mlx' if mlx else ''}", __package__).main(rest)
     return env_report()
 
 
