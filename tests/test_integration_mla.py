@@ -42,7 +42,7 @@ def frozen_heap():
     gc.unfreeze()
 
 
-def build_model(interleave: bool, q_lora_rank: int | None):
+def build_model(interleave: bool, q_lora_rank: int | None, attn_implementation: str = "sdpa"):
     config = transformers.DeepseekV3Config(
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
         first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -51,7 +51,8 @@ def build_model(interleave: bool, q_lora_rank: int | None):
         max_position_embeddings=163840, rope_parameters=dict(V3_YARN), rope_interleave=interleave,
         initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    model = model.float().eval()
     g = model.generation_config
     g.eos_token_id, g.pad_token_id, g.bos_token_id, g.do_sample = None, 0, None, False
     return model
@@ -92,10 +93,16 @@ def max_gap(a, b):
     return max(abs(x - y) for r, s in zip(a[1], b[1]) for x, y in zip(r, s))
 
 
-@pytest.mark.parametrize("q_lora_rank", [32, None], ids=["q-lora", "q-proj"])
-@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate-half"])
-def test_deepseek_v3_through_rope_latent_fused_equals_transformers(interleave, q_lora_rank, monkeypatch):
-    model = build_model(interleave, q_lora_rank)
+@pytest.mark.parametrize("interleave, q_lora_rank, attn_implementation", [
+    pytest.param(True, 32, "sdpa", id="interleave-q-lora"),
+    pytest.param(True, None, "sdpa", id="interleave-q-proj"),
+    pytest.param(False, 32, "sdpa", id="rotate-half-q-lora"),
+    pytest.param(False, None, "sdpa", id="rotate-half-q-proj"),
+    pytest.param(True, 32, "eager", id="interleave-paged-eager"),
+])
+def test_deepseek_v3_through_rope_latent_fused_equals_transformers(interleave, q_lora_rank, attn_implementation,
+                                                                    monkeypatch):
+    model = build_model(interleave, q_lora_rank, attn_implementation)
     prompts = demo.make_prompts(model.config.vocab_size, PROMPT_LENGTHS)
     spy = Spy(model, monkeypatch)
     shipped = generate_batch(model, prompts)

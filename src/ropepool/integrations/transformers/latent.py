@@ -62,7 +62,7 @@ def read_model(model, config, backend: str | None) -> dict:
     if len(modules) != config.num_hidden_layers:
         raise RopePoolError(
             f"cannot host this {config.model_type} model: config.num_hidden_layers is {config.num_hidden_layers} "
-            f"but {len(modules)} MLA attention modules were found. Fix: load the model from its own config.")
+            f"but {len(modules)} attention modules were found. Fix: load the model from its own config.")
     spec = RopeSpec.from_hf_config(config)
     return {m: LatentLayer(m.layer_idx, spec, config.qk_nope_head_dim, config.kv_lora_rank, backend)
             for m in modules}
@@ -107,6 +107,11 @@ class LatentStep:
 
         Returns the latents of every row attention reads, ``[1, 1, rows, ...]`` each, as transformers does."""
         layer, T = self.layer, kv_c.shape[2]
+        if self.q is None or self.kv is None:
+            raise RopePoolError(
+                f"cannot host MLA layer {layer.index}: its q projection and kv_a_proj_with_mqa did not run as "
+                "modules before cache.update. Fix: disable ropepool for this model; this transformers version "
+                "computes MLA differently from the one tests/test_integration_mla.py covers.")
         ckv, kpe, slots, read_index = _latent_rows(self.cache, layer.index, kwargs)
         q_pe = self.q[0].view(T, -1, layer.nope + kpe.shape[-1])[..., layer.nope:]
         k_pe = self.kv[0, :, layer.kv_lora_rank:]
