@@ -16,6 +16,10 @@ Per attention layer and step, when the call comes from continuous batching
    needs back as transformers does, and calls transformers' own function with
    a cache whose ``update`` returns those rows (nothing is written twice).
 
+MLA layers (DeepSeek V3) differ in step 2: the module writes its latent cache
+itself, through the ``cache`` the pre-hook hands it, which is latent.py's
+``rope_latent_fused`` step; the wrapper only puts the rotated q_pe in the query.
+
 Any other call (``generate``, a plain forward, a model never enabled) passes
 through every hook and wrapper untouched.
 """
