@@ -3,9 +3,11 @@
 ``enable(model)`` is all a user calls: afterwards every attention layer's
 q/k norm (where the family has one), RoPE and paged-cache write in a
 continuous-batching step are ONE ``rope_pool_fused`` call, on transformers'
-own ``PagedAttentionCache`` tensors at its own slots, while the scheduler,
-the cache allocator and the attention itself stay transformers'. How it
-hooks in, what runs where and which families are hosted: docs/integration.md.
+own ``PagedAttentionCache`` tensors at its own slots (DeepSeek V3's latent
+attention: one ``rope_latent_fused`` call on its latent cache, latent.py),
+while the scheduler, the cache allocator and the attention itself stay
+transformers'. How it hooks in, what runs where and which families are
+hosted: docs/integration.md.
 
 Example
 -------
@@ -35,7 +37,7 @@ _ENABLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (l
 
 
 def enable(model, *, backend: str | None = None):
-    """Run ``model``'s continuous batching through ``rope_pool_fused``; returns ``model``.
+    """Run ``model``'s continuous batching through ``rope_pool_fused`` (MLA: ``rope_latent_fused``); returns ``model``.
 
     Parameters
     ----------
@@ -51,7 +53,8 @@ def enable(model, *, backend: str | None = None):
     Raises
     ------
     ropepool.RopePoolError
-        transformers older than 5.17, a family ropepool cannot host, a model
+        transformers older than 5.17 (for DeepSeek V3: one whose batching has no
+        latent cache), a family ropepool cannot host, a model
         whose layers do not match its config, or an attention implementation
         other than sdpa / eager (flash attention writes the cache in its own
         kernel).

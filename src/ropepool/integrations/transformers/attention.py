@@ -16,6 +16,10 @@ Per attention layer and step, when the call comes from continuous batching
    needs back as transformers does, and calls transformers' own function with
    a cache whose ``update`` returns those rows (nothing is written twice).
 
+MLA layers (DeepSeek V3) differ in step 2: the module writes its latent cache
+itself, through the ``cache`` the pre-hook hands it, which is latent.py's
+``rope_latent_fused`` step; the wrapper only puts the rotated q_pe in the query.
+
 Any other call (``generate``, a plain forward, a model never enabled) passes
 through every hook and wrapper untouched.
 """
@@ -25,7 +29,7 @@ import weakref
 
 from ...api import rope_pool_fused
 from ...errors import RopePoolError
-from . import paged
+from . import latent, paged
 
 # Implementations continuous batching may run that this module hosts; the wrappers are registered
 # for those the installed transformers has ("paged|sdpa" exists up to 5.2x).
@@ -57,6 +61,9 @@ def hosted(implementation: str) -> bool:
 
 def _wrap(original):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        latent_step = kwargs.pop("ropepool_latent", None)
+        if latent_step is not None:  # MLA: the latents were written and read in cache.update (latent.py)
+            return original(module, latent_step.query(query), key, value, attention_mask, *args, **kwargs)
         cache = kwargs.pop("ropepool_cache", None)
         if cache is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
@@ -105,7 +112,9 @@ def attach(layers: dict) -> list:
         _LAYERS[module] = layer
         handles.append(module.register_forward_pre_hook(_enter, with_kwargs=True))
         handles.append(module.register_forward_hook(_leave, always_call=True))
-        if layer.norm is not None:
+        if isinstance(layer, latent.LatentLayer):
+            handles += latent.attach(module)
+        elif layer.norm is not None:
             for norm in (module.q_norm, module.k_norm):
                 handles.append(norm.register_forward_hook(_norm_passthrough(module)))
     return handles
@@ -116,7 +125,7 @@ def detach(layers: dict, handles: list) -> None:
         h.remove()
     for module in layers:
         _LAYERS.pop(module, None)
-        _FUSING.discard(module)
+        _leave(module, None, None)
 
 
 def _enter(module, args, kwargs):
@@ -137,17 +146,22 @@ def _enter(module, args, kwargs):
             "position_embeddings and position_ids by keyword. Fix: disable ropepool for this model; this "
             "transformers version calls attention differently from the ones tests/test_integration.py covers.")
     cos = kwargs["position_embeddings"][0]
-    key = (cos.dtype, cos.device)
-    if key not in _IDENTITY:
-        _IDENTITY[key] = (cos.new_ones((1, 1, 1)), cos.new_zeros((1, 1, 1)))
+    key = (cos.dtype, cos.device, cos.shape[-1])
+    if key not in _IDENTITY:  # as wide as cos: DeepSeek's interleaved rotation slices it in halves
+        _IDENTITY[key] = (cos.new_ones((1, 1, cos.shape[-1])), cos.new_zeros((1, 1, cos.shape[-1])))
     kwargs["position_embeddings"] = _IDENTITY[key]
-    kwargs["ropepool_cache"] = kwargs.pop("cache")
-    _FUSING.add(module)
+    layer = _LAYERS[module]
+    if isinstance(layer, latent.LatentLayer):  # the module writes through cache.update: ropepool's call (latent.py)
+        kwargs["cache"] = kwargs["ropepool_latent"] = latent.enter(module, layer, kwargs["cache"])
+    else:
+        kwargs["ropepool_cache"] = kwargs.pop("cache")
+        _FUSING.add(module)
     return args, kwargs
 
 
 def _leave(module, args, output):
     _FUSING.discard(module)
+    latent.leave(module)
 
 
 def _norm_passthrough(attention_module):

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from ...errors import RopePoolError
 from ...norm import QKNorm
 from ...spec import RopeSpec
+from . import latent
 
 # The model types hosted, verified on transformers 5.17 and 5.25 by tests/test_integration.py. Their
 # RoPE comes from RopeSpec.for_layers and their q/k norms from QKNorm.from_hf_attention.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# deepseek_v3 (multi-head latent attention) is hosted through latent.py.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", *latent.FAMILIES)
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +50,8 @@ def read_model(model, backend: str | None) -> dict:
             f"({type(model).__name__}). Fix: use one of those; a family whose attention follows Llama's "
             "(q/k/v projections, apply_rotary_pos_emb, paged cache through the attention kwargs) can be added to "
             "FAMILIES once tests/test_integration.py covers it.")
+    if model_type in latent.FAMILIES:
+        return latent.read_model(model, config, backend)
     modules = attention_layers(model)
     if len(modules) != config.num_hidden_layers:
         raise RopePoolError(
