@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import page_and_row, paged_view
+from . import torch_cpu_compiled
 
 # A block of tokens: about 128K floats (512 KB), measured fastest of 16K-512K on a
 # 2 MB-per-core L2 (docs/benchmarks.md, CPU section).
@@ -68,8 +69,9 @@ class Fast:
             sin.mul_(rot.attention_scaling)
         return cos, sin
 
-    def rotate(self, x, cs, out):
-        """x rotated by ``cs`` (``cos_sin``'s) into ``out`` (new when None), block by block; returns out."""
+    def pairs_of(self, x, out):
+        """``out`` (new when None) and the rotated features of x and out as ``[T, H, *pairs]`` views
+        (None, None without RoPE); features past rotary_dim are copied through here."""
         r = self.rot.rotary_dim
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype)
@@ -77,18 +79,21 @@ class Fast:
         y = out
         if r < D:
             if out.data_ptr() != x.data_ptr():
-                out[..., r:].copy_(x[..., r:])  # features past rotary_dim pass through
+                out[..., r:].copy_(x[..., r:])
             if r == 0:
-                return out
+                return out, None, None
             x, y = x[..., :r], out[..., :r]
-        x, y = x.view(T, H, *self.pairs), y.view(T, H, *self.pairs)
-        step = max(1, _BLOCK_ELEMENTS // (H * D))
+        return out, x.view(T, H, *self.pairs), y.view(T, H, *self.pairs)
+
+    def rotate(self, x, cs, out):
+        """``[T, H, *pairs]`` x rotated by ``cs`` (``cos_sin``'s) into out, in blocks of tokens."""
+        T, H = x.shape[:2]
+        step = max(1, _BLOCK_ELEMENTS // (H * x.shape[2] * x.shape[3]))
         if T <= step:
-            self._block(x, *cs, y)
+            self._block(x, *cs, out)
         else:
             for i in range(0, T, step):
-                self._block(x[i:i + step], cs[0][i:i + step], cs[1][i:i + step], y[i:i + step])
-        return out
+                self._block(x[i:i + step], cs[0][i:i + step], cs[1][i:i + step], out[i:i + step])
 
     def _block(self, x, cos, sin, out):
         """``out = x * cos + swap(x) * (-sin, sin)`` for a block of tokens, in float32.
@@ -131,13 +136,15 @@ class Fast:
         if hi >= self.call.pool_size or (table is not None and positions.numel() and not (
                 0 <= positions.min() and positions.max() < table.shape[0])):
             return self.general(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
-        cs = self.cos_sin(positions) if self.rot.rotary_dim else None
-        q_rot = self.rotate(q, cs, q_out)
-        if k.ndim == 2:  # MLA: one latent head
-            k_rot = self.rotate(k[:, None], cs, None if k_out is None else k_out[:, None])[:, 0]
-        else:
-            k_rot = self.rotate(k, cs, k_out)
+        k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head
+        q_rot, qx, qy = self.pairs_of(q, q_out)
+        k_rot, kx, ky = self.pairs_of(k3, None if k_out is None else k_out.view(k3.shape))
+        if qx is not None:
+            cs = self.cos_sin(positions)
+            if not torch_cpu_compiled.rotate(qx, kx, *cs, self.pair_dim, qy, ky):
+                self.rotate(qx, cs, qy)
+                self.rotate(kx, cs, ky)
         keep = None if lo >= 0 else slots >= 0  # a negative slot skips the token's write
-        self.write(k_pool, k_rot if k.ndim == 3 else k_rot[:, None], slots, keep)
+        self.write(k_pool, k_rot, slots, keep)
         self.write(v_pool, v if v.ndim == 3 else v[:, None], slots, keep)
-        return q_rot, k_rot, k_pool, v_pool
+        return q_rot, k_rot.view(k.shape) if k_out is None else k_out, k_pool, v_pool
