@@ -22,7 +22,7 @@ import torch
 from ..layout import page_and_row, paged_view
 from . import torch_cpu_compiled
 
-# A block of tokens: about 128K floats (512 KB), measured fastest of 16K-512K on a
+# A block of tokens: about 128K floats (512 KB); of 16K-256K, measured fastest on a
 # 2 MB-per-core L2 (docs/benchmarks.md, CPU section).
 _BLOCK_ELEMENTS = 1 << 17
 _FLIP_ELEMENTS = 1 << 14
