@@ -9,6 +9,7 @@ are back-to-back calls timed in process CPU time, and there is no copy row
 from __future__ import annotations
 
 import platform
+import textwrap
 
 COLORS = {"copy": "grey", "ropepool": "tab:orange", "flashinfer": "tab:green", "compiled": "tab:red",
           "eager": "tab:purple"}
@@ -91,6 +92,6 @@ def plot(rows, env, path):
         for ax in (top, bottom):
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"rope_pool_fused: {describe(env)}", fontsize=8)
+    fig.suptitle(textwrap.fill(f"rope_pool_fused: {describe(env)}", 40 * len(panels) + 30), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
