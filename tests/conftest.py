@@ -19,6 +19,11 @@ if HAS["torch"] and HAS["triton"]:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The CPU path's inductor-compiled rotation costs seconds to compile per dtype: off in the suite,
+# on in tests/test_cpu_path.py's test of it.
+os.environ.setdefault("ROPEPOOL_CPU_COMPILE", "off")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "big: too big for the Triton CPU interpreter; there the triton backend "
                                        "skips it (it runs on CUDA)")

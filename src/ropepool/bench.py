@@ -7,7 +7,10 @@ calls), back-to-back eager calls from Python (``eager``) for small and large
 sizes. Inputs rotate over enough sets that they do not sit in L2.
 Bandwidth is the op's own byte count over the median time; ``%copy``
 compares it with a device-to-device copy of the same bytes timed in the
-same run. ``benchmarks/bench.py`` runs it; ``ropepool bench`` too.
+same run. On CPU calls are timed in process CPU time (wall time on a shared
+machine swings by tens of percent), on the threads ``--threads`` gives torch,
+and there is no copy row: an op that allocates its outputs has no memcpy
+floor. ``benchmarks/bench.py`` runs it; ``ropepool bench`` too.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 import ropepool
+from ropepool.bench_report import cpu_name
 from ropepool.reference import rope_pool_fused as oracle
 
 GEOMETRIES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128), "h64-kv8": (64, 8, 128)}
@@ -40,7 +44,7 @@ class Row:
     us: float
     spread_pct: float
     gbps: float
-    pct_copy: float
+    pct_copy: float | None  # None on CPU
     speedup_vs_eager: float | None = None
 
 
@@ -123,15 +127,18 @@ class Clock:
                 b.record()
                 b.synchronize()
                 out.append(a.elapsed_time(b) * 1e3 / n)
-            else:
-                t = time.perf_counter()
+            else:  # process CPU time: what the call costs, not what else the machine ran meanwhile
+                t = time.process_time_ns()
                 run()
-                out.append((time.perf_counter() - t) * 1e6 / n)
+                out.append((time.process_time_ns() - t) / 1e3 / n)
         q1, med, q3 = np.percentile(out, [25, 50, 75])
         return med, 100 * (q3 - q1) / med
 
     def eager(self, calls, budget_s=0.03, reps=5):
-        """Back-to-back calls from Python, rotating over the input sets."""
+        """Back-to-back calls from Python, rotating over the input sets (on CPU, with more and longer
+        repetitions: CPU time of small calls varies more than a GPU's)."""
+        if not self.cuda:
+            budget_s, reps = 0.2, 9
         for c in calls:
             c()
         self.sync()
@@ -265,14 +272,17 @@ def check(fn, s, ref, kp, vp, Hkv, D, layout):
 
 
 def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rotate_bytes=256 << 20,
-        graph_max=16384, eager_max=256, eager_above=4096, layouts=("flat",), log=print, save=None):
-    """Measure; ``save(rows)`` is called after every token count, so a run cut short keeps its rows.
+        graph_max=16384, eager_max=256, eager_above=4096, layouts=("flat",), log=print, save=None,
+        step=lambda what: None):
+    """Measure; ``save(rows)`` is called after every token count, so a run cut short keeps its rows,
+    and ``step(what)`` before each (a progress bar's hook).
 
     Eager calls are timed up to ``eager_max`` tokens (the host cost of a call)
     and above ``eager_above`` (where the GPU time outweighs it); graph replay
     up to ``graph_max``."""
     gen = torch.Generator().manual_seed(0)
     clock = Clock(device)
+    cuda = device.type == "cuda"
     rows = []
     for gname in geometries:
         Hq, Hkv, D = GEOMETRIES[gname]
@@ -283,13 +293,14 @@ def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rota
             vp = torch.empty_like(kp)
             provs = providers(Hq, Hkv, D, device, layout)
             for T in tokens:
+                step(f"{gname} {layout} T={T}")
                 sets = make_sets(T, Hq, Hkv, D, pool_size, dtype, device, rotate_bytes, gen)
                 nbytes = op_bytes(T, Hq, Hkv, D, dtype.itemsize, kp.element_size())
                 # The floor: a copy of the same bytes, rotating over as many
                 # buffers as the inputs do so it is not served from L2 either.
                 bufs = [(torch.empty(nbytes // 2, dtype=torch.uint8, device=device),
-                         torch.empty(nbytes // 2, dtype=torch.uint8, device=device)) for _ in sets]
-                timed = {"copy": [lambda s=s, d=d: d.copy_(s) for s, d in bufs]}
+                         torch.empty(nbytes // 2, dtype=torch.uint8, device=device)) for _ in sets] if cuda else []
+                timed = {"copy": [lambda s=s, d=d: d.copy_(s) for s, d in bufs]} if cuda else {}
                 ref = reference(sets[0], Hq, Hkv, D)
                 for name, make in provs.items():
                     fns = [make(s, kp, vp) for s in sets]
@@ -299,9 +310,9 @@ def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rota
                         continue
                     timed[name] = fns
                 modes = []
-                if device.type == "cuda" and T <= graph_max:
+                if cuda and T <= graph_max:
                     modes.append("graph")
-                if T <= eager_max or device.type != "cuda" or T > eager_above:
+                if T <= eager_max or not cuda or T > eager_above:
                     modes.append("eager")
                 for mode in modes:
                     res = {}
@@ -310,11 +321,11 @@ def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rota
                             res[name] = clock.graph(fns) if mode == "graph" else clock.eager(fns)
                         except Exception as e:  # a provider that cannot be captured is reported, not fatal
                             log(f"  {gname} T={T} {name} {mode}: {type(e).__name__}: {e}")
-                    copy_us = res["copy"][0]
+                    copy_us = res["copy"][0] if "copy" in res else None
                     for name, (us, spread) in res.items():
-                        eager_us = res.get("eager", (None,))[0]
-                        rows.append(Row(gname, layout, T, name, mode, us, spread,
-                                        nbytes / us / 1e3, 100 * copy_us / us,
+                        eager_us = res.get("eager", (None,))[0] if name != "copy" else None
+                        rows.append(Row(gname, layout, T, name, mode, us, spread, nbytes / us / 1e3,
+                                        100 * copy_us / us if copy_us else None,
                                         eager_us / us if eager_us else None))
                 del sets, bufs
                 log(f"  {gname} {layout} T={T}: done")
@@ -326,9 +337,9 @@ def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rota
     return rows
 
 
-def environment(device):
+def environment(device, dtype):
     env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
-           "ropepool": ropepool.__version__, "device": str(device)}
+           "ropepool": ropepool.__version__, "device": str(device), "dtype": str(dtype).split(".")[-1]}
     if device.type == "cuda":
         import triton
 
@@ -336,46 +347,65 @@ def environment(device):
         fi = _flashinfer()
         env["flashinfer"] = getattr(fi, "__version__", None)
     else:
-        env["cpu"] = platform.processor() or platform.machine()
+        env.update(cpu=cpu_name(), threads=torch.get_num_threads())
     return env
 
 
-def print_table(rows, env):
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="rope_pool_fused, bf16 ({})".format(", ".join(f"{k}={v}" for k, v in env.items() if v)))
-    for col in ("geometry", "layout", "T", "provider", "mode", "µs", "±%", "GB/s", "%copy", "x eager"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(r.geometry, r.layout, str(r.tokens), r.provider, r.mode, f"{r.us:.2f}", f"{r.spread_pct:.0f}",
-                  f"{r.gbps:.0f}", f"{r.pct_copy:.0f}%",
-                  f"{r.speedup_vs_eager:.1f}x" if r.speedup_vs_eager else "")
-    Console(width=160).print(t)
-
-
 def main(argv=None):
+    from rich.progress import Progress
+
+    from .bench_report import plot, print_table
+
+    cuda_here = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="ropepool bench", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--geometries", default=",".join(GEOMETRIES))
-    p.add_argument("--tokens", default=None, help="comma-separated (default: all on CUDA, up to 1024 on CPU)")
-    p.add_argument("--pool-size", type=int, default=None, help="default 262144 on CUDA, 16384 on CPU")
+    p.add_argument("--device", default="cuda" if cuda_here else "cpu", help="torch device (default: cuda if "
+                   "available, else cpu)")
+    p.add_argument("--geometries", default=None, help="comma-separated from " + ", ".join(
+        f"{k} ({q} q heads, {kv} KV heads, head_dim {d})" for k, (q, kv, d) in GEOMETRIES.items()) +
+        " (default: all on CUDA, llama3-8b on CPU)")
+    p.add_argument("--tokens", default=None, help="comma-separated tokens per call (default: "
+                   f"{','.join(map(str, TOKENS))} on CUDA, 1,16,256,4096 on CPU)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of q, k, v and the pools (default bfloat16)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 on CPU, as one decode worker; torch's own on CUDA)")
+    p.add_argument("--pool-size", type=int, default=None, help="rows of each KV pool (default 262144 on CUDA, "
+                   "65536 on CPU)")
     p.add_argument("--layouts", default="flat", help="comma-separated: flat, NHD (paged, page_size 16), "
                    "fp8 (flat float8_e4m3fn pool, scale 0.5)")
-    p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--json", default=None, help="write the records to this file, and the plot beside it "
+                   "(same name, .png)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
-    tokens = [int(x) for x in a.tokens.split(",")] if a.tokens else (TOKENS if cuda else (1, 16, 256, 1024))
-    pool = a.pool_size or (262144 if cuda else 16384)
+    if a.threads or not cuda:
+        torch.set_num_threads(a.threads or 1)
+    dtype = getattr(torch, a.dtype)
+    geometries = (a.geometries or (",".join(GEOMETRIES) if cuda else "llama3-8b")).split(",")
+    tokens = [int(x) for x in a.tokens.split(",")] if a.tokens else (TOKENS if cuda else (1, 16, 256, 4096))
+    pool = a.pool_size or (262144 if cuda else 65536)
     layouts = a.layouts.split(",")
-    env = environment(device)
+    env = environment(device, dtype)
+
     def save(rows):
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
-    rows = run(a.geometries.split(","), tokens, device, pool_size=pool, layouts=layouts, save=save,
-               rotate_bytes=(256 << 20) if cuda else (8 << 20))
+    with Progress() as progress:
+        task = progress.add_task("benchmarking", total=len(geometries) * len(layouts) * len(tokens))
+
+        def step(what):
+            if progress.tasks[0].description != "benchmarking":
+                progress.advance(task)
+            progress.update(task, description=what)
+
+        rows = run(geometries, tokens, device, pool_size=pool, dtype=dtype, layouts=layouts, save=save, step=step,
+                   log=progress.console.print, rotate_bytes=(256 << 20) if cuda else (8 << 20))
+        progress.update(task, completed=len(geometries) * len(layouts) * len(tokens), description="done")
     print_table(rows, env)
+    if a.json and rows:
+        png = os.path.splitext(a.json)[0] + ".png"
+        plot([asdict(r) for r in rows], env, png)
+        print(f"wrote {a.json} and {png}")
     return 0

@@ -15,10 +15,29 @@ from .dtypes import INDEX_DTYPES, dtype_name, framework_of
 from .errors import RopePoolError
 
 _PRECISE_POSITIONS = 2**24  # float32 holds every integer up to here: the precision promise's end
+_FEW = 64  # up to here values are checked as Python ints (16 tokens: 3.5 us, NumPy 17); above, NumPy is faster
+
+
+def _few_fine(positions, slots, pool_size: int, max_position: int | None) -> bool:
+    """True when a few values pass every check (False: the full check below finds what is wrong).
+
+    ``tolist`` reads a CPU tensor, an MLX or NumPy array without a conversion to NumPy
+    (which, for a torch tensor, costs more than the check itself).
+    """
+    pos, slt = positions.tolist(), slots.tolist()
+    if pos and isinstance(pos[0], list):  # [3, T] MRoPE positions
+        pos = [p for row in pos for p in row]
+    top = _PRECISE_POSITIONS if max_position is None else min(max_position - 1, _PRECISE_POSITIONS)
+    if pos and (min(pos) < 0 or max(pos) > top):
+        return False
+    used = [s for s in slt if s >= 0]
+    return not used or (max(used) < pool_size and len(set(used)) == len(used))
 
 
 def check_values(positions, slots, pool_size: int, max_position: int | None = None) -> None:
     """Slots in ``[0, pool_size)`` or negative (skip), no slot twice, positions >= 0 (and in the table)."""
+    if slots.shape[-1] <= _FEW and _few_fine(positions, slots, pool_size, max_position):
+        return
     pos = np.asarray(positions.cpu() if hasattr(positions, "cpu") else positions)
     slt = np.asarray(slots.cpu() if hasattr(slots, "cpu") else slots)
     if pos.size and pos.min() < 0:

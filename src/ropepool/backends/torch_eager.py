@@ -1,6 +1,7 @@
 """The PyTorch path: the array math of ``arraymath`` on torch tensors, for any torch device.
 
-It is the CPU implementation and the fallback where Triton is missing. On a
+It is the general CPU implementation (``torch_cpu`` takes the calls it covers,
+in fewer passes) and the fallback where Triton is missing. On a
 GPU the boolean mask of valid slots makes it synchronise with the device; the
 Triton kernel does not. Pools are written in place through views.
 """
@@ -10,7 +11,7 @@ import torch
 
 from ..dtypes import FP8_MAX, QMAX
 from ..layout import page_and_row, paged_view
-from . import arraymath
+from . import arraymath, torch_cpu
 
 
 class TorchOps:
@@ -89,6 +90,10 @@ class Prepared:
         self.call = call
 
     def bind(self, *arrays):
+        if torch_cpu.covers(self.call, arrays):
+            rot = self.call.rotation
+            freqs = None if rot.table is not None or not rot.rotary_dim else device_array(rot.freqs, arrays[0].device)
+            return torch_cpu.Fast(self.call, freqs, self.run).run
         return self.run
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):

@@ -1,0 +1,150 @@
+"""The torch backend on CPU tensors: the same math as ``torch_eager`` in fewer passes over memory.
+
+``torch_eager`` builds whole float32 intermediates with some 25 small ops, each
+a pass over the tokens. Here the work goes in blocks of tokens small enough to
+stay in the L2 cache. Each pair's two elements are one axis of a view, so the
+rotation is ``x * cos + swap(x) * (-sin, sin)``: five ops per block, written
+straight into the output (float32) or upcast once and rounded once into it
+(bf16, fp16); cos/sin are made once per call for q and k. The pools are
+written with one ``index_copy_`` each. Per the contract (docs/precision.md)
+angles are ``float32(p) * inv_freq32``, cos/sin are torch's accurate float32
+functions and the arithmetic is float32 throughout, with the same roundings as
+``torch_eager`` (its results bit for bit).
+
+It takes the calls ``covers`` accepts (plain, partial, GPT-J, scaled and
+longrope rotations, an engine's table, every pool layout, MLA's latent); the
+rest (QK norm, fp8, MRoPE, autograd, torch.compile tracing) stay on ``torch_eager``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import page_and_row, paged_view
+from . import torch_cpu_compiled
+
+# A block of tokens: about 128K floats (512 KB); of 16K-256K, measured fastest on a
+# 2 MB-per-core L2 (docs/benchmarks.md, CPU section).
+_BLOCK_ELEMENTS = 1 << 17
+_FLIP_ELEMENTS = 1 << 14
+
+
+def covers(call, arrays) -> bool:
+    """Whether this path runs a call with these arrays (else torch_eager's general code does)."""
+    q = arrays[0]
+    return (q.device.type == "cpu" and call.norm is None and not (call.fp8 or call.q_fp8 or call.k_fp8)
+            and call.rotation.mrope_section is None and not torch.compiler.is_compiling()
+            and not any(x is not None and x.requires_grad for x in arrays[:3]))
+
+
+class Fast:
+    """The runner for one checked Call (bound once per layout, like torch_eager.Prepared)."""
+
+    def __init__(self, call, freqs, general):
+        self.call, self.rot, self.general = call, call.rotation, general
+        r, gptj = self.rot.rotary_dim, self.rot.gptj
+        # x's rotated features seen as [..., 2, r/2] (NeoX: the pair's two halves) or [..., r/2, 2] (GPT-J);
+        # cos/sin as [T, 1, 1, r/2] / [T, 1, r/2, 1] broadcast over them, the signs of -sin, sin over a pair.
+        self.pairs, self.pair_dim = ((r // 2, 2), -1) if gptj else ((2, r // 2), -2)
+        self.cs_shape = (-1, 1, r // 2, 1) if gptj else (-1, 1, 1, r // 2)
+        self.sign = torch.tensor([-1.0, 1.0]).view((1, 2) if gptj else (2, 1))
+        self.freqs = None if freqs is None else [f.view(self.cs_shape[2:]) for f in freqs]  # None with a table
+        geom = call.pool
+        # A flat pool is [rows, heads, dim] already, slot = row: no view per call.
+        self.flat = geom.kv_layout is None and geom.layer is None and geom.headed
+
+    def cos_sin(self, positions):
+        """float32 ``cos`` and ``-sin, sin``, shaped to broadcast over ``x`` seen as ``[T, H, *pairs]``."""
+        rot = self.rot
+        if rot.table is not None:
+            half = rot.rotary_dim // 2
+            rows = rot.table.index_select(0, positions).float()
+            return rows[:, :half].view(self.cs_shape), rows[:, half:2 * half].view(self.cs_shape) * self.sign
+        inv = self.freqs[0]
+        if rot.long_from is not None and positions.numel() and int(positions.max()) >= rot.long_from:
+            inv = self.freqs[1]
+        ang = positions.view(-1, 1, 1, 1) * inv  # int * float32: float32(p) * inv_freq32, one rounding
+        cos, sin = torch.cos(ang), torch.sin(ang) * self.sign
+        if rot.attention_scaling != 1.0:
+            cos.mul_(rot.attention_scaling)
+            sin.mul_(rot.attention_scaling)
+        return cos, sin
+
+    def pairs_of(self, x, out):
+        """``out`` (new when None) and the rotated features of x and out as ``[T, H, *pairs]`` views
+        (None, None without RoPE); features past rotary_dim are copied through here."""
+        r = self.rot.rotary_dim
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype)
+        T, H, D = x.shape
+        y = out
+        if r < D:
+            if out.data_ptr() != x.data_ptr():
+                out[..., r:].copy_(x[..., r:])
+            if r == 0:
+                return out, None, None
+            x, y = x[..., :r], out[..., :r]
+        return out, x.view(T, H, *self.pairs), y.view(T, H, *self.pairs)
+
+    def rotate(self, x, cs, out):
+        """``[T, H, *pairs]`` x rotated by ``cs`` (``cos_sin``'s) into out, in blocks of tokens."""
+        T, H = x.shape[:2]
+        step = max(1, _BLOCK_ELEMENTS // (H * x.shape[2] * x.shape[3]))
+        if T <= step:
+            self._block(x, *cs, out)
+        else:
+            for i in range(0, T, step):
+                self._block(x[i:i + step], cs[0][i:i + step], cs[1][i:i + step], out[i:i + step])
+
+    def _block(self, x, cos, sin, out):
+        """``out = x * cos + swap(x) * (-sin, sin)`` for a block of tokens, in float32.
+
+        Each product is rounded, then the sum, as in torch_eager and vLLM's kernel (bit for bit
+        their results; addcmul_ would fuse a product into the sum)."""
+        p = self.pair_dim
+        xf = x.float()  # bf16 / fp16: upcast once; float32: x itself
+        # swap(x) * (-sin, sin), a new tensor: read before out (maybe x itself) is written. flip is
+        # one call, but at over ~16K elements two half-size products into the swapped halves are faster.
+        if xf.numel() <= _FLIP_ELEMENTS:
+            swapped = xf.flip(p).mul_(sin)
+        else:
+            swapped = torch.empty(xf.shape, dtype=torch.float32)
+            torch.mul(xf.select(p, 1), sin.select(p, 0), out=swapped.select(p, 0))
+            torch.mul(xf.select(p, 0), sin.select(p, 1), out=swapped.select(p, 1))
+        y = torch.mul(xf, cos, out=out if xf is x else xf)
+        torch.add(y, swapped, out=out)  # the one rounding to out's dtype
+
+    def write(self, pool, rows, slots, keep):
+        """``rows [T, H, dim]`` into the pool at ``slots``; ``keep``: the tokens written (None: all)."""
+        if keep is not None:
+            rows, slots = rows[keep], slots[keep]
+        rows = rows.to(pool.dtype)
+        if self.flat:
+            pool.index_copy_(0, slots, rows)
+            return
+        view = paged_view(pool, self.call.pool)
+        if view.stride(0) == view.shape[1] * view.stride(1):  # pages of rows (NHD): one index a slot
+            view.flatten(0, 1).index_copy_(0, slots, rows)
+        else:
+            view.index_put_(page_and_row(slots, self.call.pool.page_size), rows)
+
+    def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
+        slots = slots.long()  # index_copy_'s index type
+        lo, hi = map(int, slots.aminmax()) if slots.numel() else (0, 0)
+        table = self.rot.table
+        # Slots past the pool, positions outside the engine's table: only a runner called without
+        # validation sees them (tests do); the general path masks them.
+        if hi >= self.call.pool_size or (table is not None and positions.numel() and not (
+                0 <= positions.min() and positions.max() < table.shape[0])):
+            return self.general(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+        k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head
+        q_rot, qx, qy = self.pairs_of(q, q_out)
+        k_rot, kx, ky = self.pairs_of(k3, None if k_out is None else k_out.view(k3.shape))
+        if qx is not None:
+            cs = self.cos_sin(positions)
+            if not torch_cpu_compiled.rotate(qx, kx, *cs, self.pair_dim, qy, ky):
+                self.rotate(qx, cs, qy)
+                self.rotate(kx, cs, ky)
+        keep = None if lo >= 0 else slots >= 0  # a negative slot skips the token's write
+        self.write(k_pool, k_rot, slots, keep)
+        self.write(v_pool, v if v.ndim == 3 else v[:, None], slots, keep)
+        return q_rot, k_rot.view(k.shape) if k_out is None else k_out, k_pool, v_pool

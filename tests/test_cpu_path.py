@@ -1,0 +1,175 @@
+"""The torch backend's CPU path (backends/torch_cpu.py, torch_cpu_compiled.py) against the float64 oracle.
+
+Each test counts the fast path's pool writes, so a call that silently went to
+torch_eager's general code fails it. Checks as tests.harness.run_checked:
+q_rot / k_rot within the dtype's tolerance, written pool rows bit for bit,
+every other byte of the pools' memory untouched, inputs unchanged.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ropepool import CosSinCache, RopeSpec  # noqa: E402
+from ropepool.backends import torch_cpu, torch_cpu_compiled  # noqa: E402
+from ropepool.values import check_values  # noqa: E402
+from tests.harness import (  # noqa: E402
+    FLOATS,
+    backend_for,
+    cos_sin_table,
+    make_cache,
+    make_positions,
+    make_slots,
+    poison,
+    randn,
+    run_checked,
+)
+
+ROPES = {
+    "plain": lambda D: RopeSpec(head_dim=D, base=500000.0),
+    "partial-gptj": lambda D: RopeSpec(head_dim=D, rotary_dim=D // 4, style="gptj"),
+    "yarn": lambda D: RopeSpec(head_dim=D, scaling={"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 4096}),
+    "table": lambda D: CosSinCache(_table(D), is_neox=True),
+    "none": lambda D: RopeSpec(head_dim=D, rotary_dim=0),
+}
+TABLE_POSITIONS = 1 << 14
+
+
+@functools.lru_cache(maxsize=None)
+def _table(D):
+    return cos_sin_table(TABLE_POSITIONS, RopeSpec(head_dim=D).inv_freq)
+
+
+LAYOUTS = {"flat": {}, "NHD": dict(kv_layout="NHD", page_size=4), "HND": dict(kv_layout="HND", page_size=4),
+           "layer": dict(layers=3, layer=1)}
+
+
+@pytest.fixture
+def fast_writes(monkeypatch):
+    """How many pool writes the fast path made (two per call it ran)."""
+    count = [0]
+    write = torch_cpu.Fast.write
+
+    def counted(self, *a):
+        count[0] += 1
+        return write(self, *a)
+
+    monkeypatch.setattr(torch_cpu.Fast, "write", counted)
+    return count
+
+
+def fused_qkv(rng, T, Hq, Hkv, D, dtype):
+    """q, k, v as views of one projection output (token stride (Hq + 2 Hkv) * D)."""
+    qkv = torch.from_numpy(randn(rng, T, (Hq + 2 * Hkv) * D, dtype="float32")).to(getattr(torch, dtype))
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    return q.view(T, Hq, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rope", sorted(ROPES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("T", [1, 7, 130])  # 130 tokens of 9 x 256: three blocks
+def test_fast_path_matches_oracle(dtype, rope, layout, T, rng, fast_writes):
+    X = backend_for("torch")
+    Hq, Hkv, D, P = 9, 3, 256, 160
+    q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
+    slots = make_slots(rng, T, P, skip_every=4)  # shuffled, some negative (skipped)
+    cache = poison(make_cache(rng, dtype, P, Hkv, D, **LAYOUTS[layout]), slots)
+    positions = make_positions(rng, T, high=TABLE_POSITIONS - 1 if rope == "table" else 2**24)
+    run_checked(X, q, k, v, positions, slots, cache, rope=ROPES[rope](D))
+    assert fast_writes[0] == 2
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_in_place_and_strided_outputs(dtype, rng, fast_writes):
+    """q_out = q (in place) and a strided k_out: the rotation reads a pair before writing it."""
+    X = backend_for("torch")
+    T, Hq, Hkv, D, P = 40, 4, 2, 64, 64
+    q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
+    k_out = torch.empty(T, Hkv, 2 * D, dtype=q.dtype)[..., :D]
+    slots = make_slots(rng, T, P)
+    run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, dtype, P, Hkv, D), slots),
+                q_out=q, k_out=k_out)
+    assert fast_writes[0] == 2
+
+
+def test_compiled_rotation(monkeypatch, rng, fast_writes):
+    """Inductor's code (on in this test, from 2 tokens) gives the oracle's results; a call is counted."""
+    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    ran = []
+    rotate = torch_cpu_compiled.rotate
+    monkeypatch.setattr(torch_cpu_compiled, "rotate", lambda *a: ran.append(rotate(*a)) or ran[-1])
+    X = backend_for("torch")
+    T, Hq, Hkv, D, P = 5, 3, 1, 64, 16
+    for dtype in ("bfloat16", "float32"):
+        q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
+        slots = make_slots(rng, T, P)
+        run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, dtype, P, Hkv, D), slots))
+    assert ran == [True, True] and fast_writes[0] == 4
+
+
+def test_compile_failure_falls_back(monkeypatch, rng, fast_writes):
+    """No working C++ compiler (simulated): one warning, then the torch ops, with the same results."""
+    def broken(*a, **kw):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setitem(torch_cpu_compiled._state, "fn", None)
+    monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
+    monkeypatch.setattr(torch_cpu_compiled.torch, "compile", broken)
+    X = backend_for("torch")
+    T, Hq, Hkv, D, P = 6, 2, 1, 32, 16
+    for i in range(2):
+        q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "float32")
+        slots = make_slots(rng, T, P)
+        with pytest.warns(RuntimeWarning, match="could not compile") if i == 0 else _no_warning():
+            run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, "float32", P, Hkv, D),
+                                                                          slots))
+    assert torch_cpu_compiled._state["failed"] and fast_writes[0] == 4
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
+        warnings.simplefilter("error", RuntimeWarning)
+
+    def __exit__(self, *exc):
+        self._w.__exit__(*exc)
+
+
+def test_uncovered_features_take_the_general_path(rng, fast_writes):
+    """An fp8 pool is not the fast path's: the call runs (checked) on torch_eager."""
+    X = backend_for("torch")
+    T, Hq, Hkv, D, P = 5, 2, 1, 32, 8
+    q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "bfloat16")
+    slots = make_slots(rng, T, P)
+    cache = make_cache(rng, "float8_e4m3fn", P, Hkv, D)
+    run_checked(X, q, k, v, make_positions(rng, T), slots, cache, k_scale=0.5, v_scale=0.5)
+    assert fast_writes[0] == 0
+
+
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_few_values_checked_without_numpy(monkeypatch, T, rng):
+    """Up to 64 tokens the values are read as Python ints: NumPy's unique is not reached, and the
+    same errors come out of the full check."""
+    monkeypatch.setattr(np, "unique", lambda *a, **kw: pytest.fail("np.unique on a few values"))
+    slots = torch.from_numpy(make_slots(rng, T, 1024))
+    positions = torch.from_numpy(make_positions(rng, T))
+    check_values(positions, slots, 1024)
+    if T > 1:
+        slots[-1] = slots[0] if slots[0] >= 0 else slots[1]
+        monkeypatch.undo()
+        with pytest.raises(ValueError, match="slots must be unique"):
+            check_values(positions, slots, 1024)
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        check_values(-positions - 1, slots, 1024)
