@@ -26,44 +26,21 @@ import pytest
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'ropepool[mlx-lm]')")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'ropepool[mlx-lm]')")
 
-from mlx.utils import tree_map_with_path  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from mlx_lm.utils import _get_classes  # noqa: E402
 
 import ropepool  # noqa: E402
+from ropepool.demo_mlx import CONFIGS, build  # noqa: E402
 from ropepool.integrations.mlx_lm import PooledAttention, PooledModel  # noqa: E402
 
-BASE = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 256, "tie_word_embeddings": True,
-        "max_position_embeddings": 4096}
-CONFIGS = {
-    "llama-llama3-scaling": {**BASE, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 1024}},
-    "mistral": {**BASE, "model_type": "mistral", "rope_theta": 1e6, "head_dim": 32},
-    "qwen2-bias": {**BASE, "model_type": "qwen2", "rope_theta": 1e6},
-    "qwen3-qk-norm": {**BASE, "model_type": "qwen3", "rope_theta": 1e6, "head_dim": 32},
-}
+VOCAB = CONFIGS["llama"]["vocab_size"]
 PROMPT_LENGTHS = (5, 13, 2, 30)
 NEW_TOKENS = 10
 
 
-def build(config, dtype):
-    mx.random.seed(0)
-    Model, Args = _get_classes(config)
-    model = Model(Args.from_dict(config))
-    model.update(tree_map_with_path(
-        lambda path, w: w * 4 if path.endswith("weight") and "norm" not in path and w.ndim == 2 else w,
-        model.parameters()))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
 def prompts():
     gen = np.random.default_rng(1)
-    return [gen.integers(0, BASE["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]
+    return [gen.integers(0, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
 
 
 def greedy_mlx_lm(model, prompt, n):
@@ -104,11 +81,11 @@ def test_float32_greedy_tokens_identical_to_mlx_lm(name):
     assert greedy_mlx_lm(model, prompts()[0], NEW_TOKENS) == want[0]
 
 
-@pytest.mark.parametrize("name", ["llama-llama3-scaling", "qwen3-qk-norm"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_float32_logits_match_mlx_lm(name):
     config, ps = CONFIGS[name], prompts()
     gen = np.random.default_rng(4)
-    seqs = [p + gen.integers(0, BASE["vocab_size"], NEW_TOKENS).tolist() for p in ps]
+    seqs = [p + gen.integers(0, VOCAB, NEW_TOKENS).tolist() for p in ps]
     model = build(config, mx.float32)
     want = [logits_mlx_lm(model, s, len(p)) for s, p in zip(seqs, ps)]
     got = logits_ropepool(model, config, seqs, [len(p) for p in ps])
@@ -121,7 +98,7 @@ def test_float32_logits_match_mlx_lm(name):
 def test_bfloat16_logits_as_close_as_mlx_lm_own(name):
     config, ps = CONFIGS[name], prompts()
     gen = np.random.default_rng(4)
-    seqs = [p + gen.integers(0, BASE["vocab_size"], NEW_TOKENS).tolist() for p in ps]
+    seqs = [p + gen.integers(0, VOCAB, NEW_TOKENS).tolist() for p in ps]
     exact = [logits_mlx_lm(build(config, mx.float32), s, len(p)) for s, p in zip(seqs, ps)]
     model = build(config, mx.bfloat16)
     theirs = [logits_mlx_lm(model, s, len(p)) for s, p in zip(seqs, ps)]

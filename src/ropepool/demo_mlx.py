@@ -19,6 +19,8 @@ import time
 _BASE = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 256, "tie_word_embeddings": True,
          "max_position_embeddings": 4096}
+# Llama with llama3 scaling, Mistral with a head_dim of its own, Qwen2 with q/k/v biases, Qwen3 with q/k norms
+# (tests/test_mlx_lm.py builds the same models).
 CONFIGS = {
     "llama": {**_BASE, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -30,13 +32,13 @@ CONFIGS = {
 PROMPT_LENGTHS = (5, 13, 2, 30, 9, 21)
 
 
-def build(family: str, dtype, seed: int = 0):
-    """A small mlx-lm model of ``family``; weights scaled up so a wrong rotation shows in the tokens."""
+def build(config: dict, dtype, seed: int = 0):
+    """A small mlx-lm model of ``config`` (one of CONFIGS); weights scaled up x4 so the next token depends on
+    the context and a wrong rotation shows in the tokens."""
     import mlx.core as mx
     from mlx.utils import tree_map_with_path
     from mlx_lm.utils import _get_classes
 
-    config = CONFIGS[family]
     mx.random.seed(seed)
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
@@ -58,7 +60,7 @@ def run_family(family: str, dtype, new_tokens: int, seed: int = 0) -> dict:
 
     gen = np.random.default_rng(seed + 1)
     prompts = [gen.integers(0, _BASE["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]
-    model = build(family, dtype, seed)
+    model = build(CONFIGS[family], dtype, seed)
     t0 = time.perf_counter()
     shipped = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=new_tokens,
                                                    sampler=lambda x: mx.argmax(x, axis=-1))] for p in prompts]
