@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     # The models have no EOS on purpose, which transformers' batching warns about on every run; its errors
     # (a failed request's traceback) still show.
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)  # piped (CI logs): wide enough for the table
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     results = []
     try:
