@@ -178,9 +178,12 @@ class Fast:
             return self.general(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
         x = self.fused_pairs(q, k) if q_out is None and k_out is None and q.shape[0] == 1 else None
         if x is not None:  # one token's q and k heads in a row: rotated as one tensor, 5 torch ops instead of 10
-            both = torch.empty((1, x.shape[1], q.shape[2]), dtype=q.dtype)
-            self._block(x, *self.cos_sin(positions), both.view(x.shape))
-            q_rot, k_rot = both[:, :q.shape[1]], both[:, q.shape[1]:]  # one token: each contiguous
+            both = torch.empty(x.shape, dtype=q.dtype)
+            self._block(x, *self.cos_sin(positions), both)
+            # Its two parts, each contiguous (as_strided: one call, where a slice and a view are two).
+            (Hq, D), Hkv = q.shape[1:], k.shape[1]
+            row = (Hq + Hkv) * D
+            q_rot, k_rot = both.as_strided((1, Hq, D), (row, D, 1)), both.as_strided((1, Hkv, D), (row, D, 1), Hq * D)
         else:
             k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head
             q_rot, qx, qy = self.pairs_of(q, q_out)
