@@ -7,11 +7,11 @@ rotation is ``x * cos + swap(x) * (-sin, sin)``: five ops per block, written
 straight into the output (float32) or upcast once and rounded once into it
 (bf16, fp16); cos/sin are made once per call for q and k (for up to 64 tokens
 at positions < 2^17, rows of a table made once). One token's q and k heads
-that lie in a row (a fused QKV output) are rotated as one tensor. The pools are
-written with one ``index_copy_`` each. At one token a torch op costs more than
-its arithmetic (~2 us), so the counts of ops matter there. Per the contract (docs/precision.md)
-angles are ``float32(p) * inv_freq32``, cos/sin are torch's accurate float32
-functions and the arithmetic is float32 throughout, with the same roundings as
+that lie in a row (a fused QKV output) are rotated as one tensor: at one token
+a torch op costs more than its arithmetic (~2 us). The pools are written with
+one ``index_copy_`` each. Per the contract (docs/precision.md) angles are
+``float32(p) * inv_freq32``, cos/sin are torch's accurate float32 functions
+and the arithmetic is float32 throughout, with the same roundings as
 ``torch_eager`` (its results bit for bit).
 
 It takes the calls ``covers`` accepts (plain, partial, GPT-J, scaled and
@@ -29,7 +29,7 @@ from . import torch_cpu_compiled
 # 2 MB-per-core L2 (docs/benchmarks.md, CPU section).
 _BLOCK_ELEMENTS = 1 << 17
 _FLIP_ELEMENTS = 1 << 14
-# cos/sin rows of positions below this come from a table made once per rotation (64 MB at rotary_dim 128),
+# cos/sin rows of positions below this come from a table made once per rotation (96 MB at rotary_dim 128),
 # one index_select instead of four ops; above, or past 64 tokens, they are computed per call.
 _TABLE_POSITIONS, _TABLE_TOKENS, _TABLE_CHUNK = 1 << 17, 64, 1 << 12
 # id(frequencies) -> (frequencies, {(set, shape, scaling): tables}): the entry keeps the tensor, the id its own.
@@ -45,6 +45,7 @@ def covers(call, arrays) -> bool:
 
 
 def _tables_of(freqs) -> dict:
+    """The cos/sin tables made from this frequency tensor (shared by every layout of its rotation)."""
     if id(freqs) not in _TABLES and len(_TABLES) > 64:
         _TABLES.clear()
     return _TABLES.setdefault(id(freqs), (freqs, {}))[1]
@@ -60,7 +61,6 @@ class Fast:
         # cos/sin as [T, 1, 1, r/2] / [T, 1, r/2, 1] broadcast over them, the signs of -sin, sin over a pair.
         self.pairs, self.pair_dim = ((r // 2, 2), -1) if gptj else ((2, r // 2), -2)
         self.cs_shape = (-1, 1, r // 2, 1) if gptj else (-1, 1, 1, r // 2)
-        self.sin_shape = (-1, 1, r // 2, 2) if gptj else (-1, 1, 2, r // 2)
         self.sign = torch.tensor([-1.0, 1.0]).view((1, 2) if gptj else (2, 1))
         self.freqs = None if freqs is None else [f.view(self.cs_shape[2:]) for f in freqs]  # None with a table
         # The table's values are those computed per call only where each call's T * r/2 angles take torch's
@@ -167,8 +167,11 @@ class Fast:
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         # Few slots are read as Python ints (0.7 us; aminmax and int() cost 4).
-        few = slots.tolist() if slots.shape[0] <= _TABLE_TOKENS else None
-        lo, hi = (min(few), max(few)) if few else map(int, slots.aminmax()) if few is None else (0, 0)
+        if slots.shape[0] <= _TABLE_TOKENS:
+            few = slots.tolist()
+            lo, hi = (min(few), max(few)) if few else (0, 0)
+        else:
+            lo, hi = map(int, slots.aminmax())
         slots = slots.long()  # index_copy_'s index type
         table = self.rot.table
         # Slots past the pool, positions outside the engine's table: only a runner called without
