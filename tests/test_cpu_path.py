@@ -173,3 +173,64 @@ def test_few_values_checked_without_numpy(monkeypatch, T, rng):
             check_values(positions, slots, 1024)
     with pytest.raises(ValueError, match="positions must be >= 0"):
         check_values(-positions - 1, slots, 1024)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The results of Fast's methods named, call by call: spy("from_table") -> that list."""
+    seen = {}
+
+    def watch(name):
+        method = getattr(torch_cpu.Fast, name)
+
+        def wrapped(self, *a):
+            seen[name].append(method(self, *a))
+            return seen[name][-1]
+
+        seen[name] = []
+        monkeypatch.setattr(torch_cpu.Fast, name, wrapped)
+        return seen[name]
+    return watch
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("scaling", [None, dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)])
+def test_cos_sin_table_and_past_its_bound(monkeypatch, spy, style, scaling, rng, fast_writes):
+    """Few tokens at positions below the bound read cos/sin from the table, which grows by chunks as
+    positions rise; past the bound (or past _TABLE_TOKENS tokens) they are computed. Oracle's results each time."""
+    monkeypatch.setattr(torch_cpu, "_TABLES", {})
+    monkeypatch.setattr(torch_cpu, "_TABLE_POSITIONS", 1000)
+    monkeypatch.setattr(torch_cpu, "_TABLE_CHUNK", 256)
+    from_table = spy("from_table")
+    X = backend_for("torch")
+    Hq, Hkv, D, P = 3, 1, 64, 128  # rotary_dim / 2 = 32: the table's smallest
+    rope = RopeSpec(head_dim=D, style=style, scaling=scaling)
+    rows = []
+    for T, high in ((1, 200), (7, 600), (1, 999), (3, 5000), (torch_cpu._TABLE_TOKENS + 1, 500)):
+        q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "float32")
+        positions = make_positions(rng, T, high=high)
+        positions[0] = high  # the largest position reached
+        slots = make_slots(rng, T, P)
+        run_checked(X, q, k, v, positions, slots, poison(make_cache(rng, "float32", P, Hkv, D), slots), rope=rope)
+        (tables,) = torch_cpu._TABLES.values()
+        rows.append(next(iter(tables[1].values()))[0].shape[0])
+    assert len(from_table) == 3 and fast_writes[0] == 10
+    assert rows == [256, 768, 1024, 1024, 1024]
+
+
+def test_fused_qk_of_one_token(spy, rng, fast_writes):
+    """One token of a fused QKV output rotates q and k as one view, into contiguous q_rot and k_rot;
+    q and k of separate tensors, several tokens, or partial RoPE do not."""
+    fused = spy("fused_pairs")
+    X = backend_for("torch")
+    Hq, Hkv, D, P = 4, 2, 64, 32
+    for T, separate, rope in ((1, False, None), (1, True, None), (1, False, RopeSpec(head_dim=D, rotary_dim=32)),
+                              (5, False, None)):
+        q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "bfloat16")
+        if separate:
+            q, k = q.clone(), k.clone()
+        slots = make_slots(rng, T, P)
+        res = run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, "bfloat16", P, Hkv, D),
+                                                                           slots), rope=rope)
+        assert res.q_rot.is_contiguous() and res.k_rot.is_contiguous()
+    assert [x is not None for x in fused] == [True, False, False] and fast_writes[0] == 8

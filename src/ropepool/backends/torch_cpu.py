@@ -5,10 +5,13 @@ a pass over the tokens. Here the work goes in blocks of tokens small enough to
 stay in the L2 cache. Each pair's two elements are one axis of a view, so the
 rotation is ``x * cos + swap(x) * (-sin, sin)``: five ops per block, written
 straight into the output (float32) or upcast once and rounded once into it
-(bf16, fp16); cos/sin are made once per call for q and k. The pools are
-written with one ``index_copy_`` each. Per the contract (docs/precision.md)
-angles are ``float32(p) * inv_freq32``, cos/sin are torch's accurate float32
-functions and the arithmetic is float32 throughout, with the same roundings as
+(bf16, fp16); cos/sin are made once per call for q and k (for up to 64 tokens
+at positions < 2^17, rows of a table made once). One token's q and k heads
+that lie in a row (a fused QKV output) are rotated as one tensor: at one token
+a torch op costs more than its arithmetic (~2 us). The pools are written with
+one ``index_copy_`` each. Per the contract (docs/precision.md) angles are
+``float32(p) * inv_freq32``, cos/sin are torch's accurate float32 functions
+and the arithmetic is float32 throughout, with the same roundings as
 ``torch_eager`` (its results bit for bit).
 
 It takes the calls ``covers`` accepts (plain, partial, GPT-J, scaled and
@@ -26,6 +29,11 @@ from . import torch_cpu_compiled
 # 2 MB-per-core L2 (docs/benchmarks.md, CPU section).
 _BLOCK_ELEMENTS = 1 << 17
 _FLIP_ELEMENTS = 1 << 14
+# cos/sin rows of positions below this come from a table made once per rotation (96 MB at rotary_dim 128),
+# one index_select instead of four ops; above, or past 64 tokens, they are computed per call.
+_TABLE_POSITIONS, _TABLE_TOKENS, _TABLE_CHUNK = 1 << 17, 64, 1 << 12
+# id(frequencies) -> (frequencies, {(set, shape, scaling): tables}): the entry keeps the tensor, the id its own.
+_TABLES: dict = {}
 
 
 def covers(call, arrays) -> bool:
@@ -34,6 +42,13 @@ def covers(call, arrays) -> bool:
     return (q.device.type == "cpu" and call.norm is None and not (call.fp8 or call.q_fp8 or call.k_fp8)
             and call.rotation.mrope_section is None and not torch.compiler.is_compiling()
             and not any(x is not None and x.requires_grad for x in arrays[:3]))
+
+
+def _tables_of(freqs) -> dict:
+    """The cos/sin tables made from this frequency tensor (shared by every layout of its rotation)."""
+    if id(freqs) not in _TABLES and len(_TABLES) > 64:
+        _TABLES.clear()
+    return _TABLES.setdefault(id(freqs), (freqs, {}))[1]
 
 
 class Fast:
@@ -48,6 +63,9 @@ class Fast:
         self.cs_shape = (-1, 1, r // 2, 1) if gptj else (-1, 1, 1, r // 2)
         self.sign = torch.tensor([-1.0, 1.0]).view((1, 2) if gptj else (2, 1))
         self.freqs = None if freqs is None else [f.view(self.cs_shape[2:]) for f in freqs]  # None with a table
+        # The table's values are those computed per call only where each call's T * r/2 angles take torch's
+        # vector cos/sin (ATen computes a tail of < 32 floats with libm's): r/2 a multiple of 32.
+        self.tables = None if freqs is None or (r // 2) % 32 else _tables_of(freqs)
         geom = call.pool
         # A flat pool is [rows, heads, dim] already, slot = row: no view per call.
         self.flat = geom.kv_layout is None and geom.layer is None and geom.headed
@@ -59,15 +77,34 @@ class Fast:
             half = rot.rotary_dim // 2
             rows = rot.table.index_select(0, positions).float()
             return rows[:, :half].view(self.cs_shape), rows[:, half:2 * half].view(self.cs_shape) * self.sign
-        inv = self.freqs[0]
-        if rot.long_from is not None and positions.numel() and int(positions.max()) >= rot.long_from:
-            inv = self.freqs[1]
+        T = positions.shape[0]
+        # Few positions are read as Python ints (0.4 us; a tensor max and int() cost 1.5).
+        top = (max(positions.tolist()) if T <= _TABLE_TOKENS else int(positions.max())) if T else -1
+        s = int(rot.long_from is not None and top >= rot.long_from)
+        if self.tables is not None and T <= _TABLE_TOKENS and top < _TABLE_POSITIONS:
+            return self.from_table(s, positions, top)
+        return self.compute(self.freqs[s], positions)
+
+    def compute(self, inv, positions):
+        rot = self.rot
         ang = positions.view(-1, 1, 1, 1) * inv  # int * float32: float32(p) * inv_freq32, one rounding
         cos, sin = torch.cos(ang), torch.sin(ang) * self.sign
         if rot.attention_scaling != 1.0:
             cos.mul_(rot.attention_scaling)
             sin.mul_(rot.attention_scaling)
         return cos, sin
+
+    def from_table(self, s, positions, top):
+        """``compute``'s cos and sin for positions up to ``top`` < _TABLE_POSITIONS: rows of tables shaped
+        like them, grown on demand in chunks of _TABLE_CHUNK positions (index_select keeps the shape)."""
+        key = (s, self.cs_shape, self.rot.attention_scaling)
+        tables = self.tables.get(key)
+        if tables is None or tables[0].shape[0] <= top:
+            have = 0 if tables is None else tables[0].shape[0]
+            new = self.compute(self.freqs[s], torch.arange(have, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK))
+            # New tensors, then the swap: a concurrent call keeps reading the old tables.
+            tables = self.tables[key] = new if tables is None else tuple(map(torch.cat, zip(tables, new)))
+        return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
 
     def pairs_of(self, x, out):
         """``out`` (new when None) and the rotated features of x and out as ``[T, H, *pairs]`` views
@@ -117,7 +154,8 @@ class Fast:
         """``rows [T, H, dim]`` into the pool at ``slots``; ``keep``: the tokens written (None: all)."""
         if keep is not None:
             rows, slots = rows[keep], slots[keep]
-        rows = rows.to(pool.dtype)
+        if rows.dtype != pool.dtype:
+            rows = rows.to(pool.dtype)
         if self.flat:
             pool.index_copy_(0, slots, rows)
             return
@@ -128,23 +166,50 @@ class Fast:
             view.index_put_(page_and_row(slots, self.call.pool.page_size), rows)
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
+        # Few slots are read as Python ints (0.7 us; aminmax and int() cost 4).
+        if slots.shape[0] <= _TABLE_TOKENS:
+            few = slots.tolist()
+            lo, hi = (min(few), max(few)) if few else (0, 0)
+        else:
+            lo, hi = map(int, slots.aminmax())
         slots = slots.long()  # index_copy_'s index type
-        lo, hi = map(int, slots.aminmax()) if slots.numel() else (0, 0)
         table = self.rot.table
         # Slots past the pool, positions outside the engine's table: only a runner called without
         # validation sees them (tests do); the general path masks them.
         if hi >= self.call.pool_size or (table is not None and positions.numel() and not (
                 0 <= positions.min() and positions.max() < table.shape[0])):
             return self.general(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
-        k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head
-        q_rot, qx, qy = self.pairs_of(q, q_out)
-        k_rot, kx, ky = self.pairs_of(k3, None if k_out is None else k_out.view(k3.shape))
-        if qx is not None:
-            cs = self.cos_sin(positions)
-            if not torch_cpu_compiled.rotate(qx, kx, *cs, self.pair_dim, qy, ky):
-                self.rotate(qx, cs, qy)
-                self.rotate(kx, cs, ky)
+        x = self.fused_pairs(q, k) if q_out is None and k_out is None and q.shape[0] == 1 else None
+        if x is not None:  # one token's q and k heads in a row: rotated as one tensor, 5 torch ops instead of 10
+            both = torch.empty(x.shape, dtype=q.dtype)
+            self._block(x, *self.cos_sin(positions), both)
+            # Its two parts, each contiguous (as_strided: one call, where a slice and a view are two).
+            (Hq, D), Hkv = q.shape[1:], k.shape[1]
+            row = (Hq + Hkv) * D
+            q_rot, k_rot = both.as_strided((1, Hq, D), (row, D, 1)), both.as_strided((1, Hkv, D), (row, D, 1), Hq * D)
+        else:
+            k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head
+            q_rot, qx, qy = self.pairs_of(q, q_out)
+            k_rot, kx, ky = self.pairs_of(k3, None if k_out is None else k_out.view(k3.shape))
+            if qx is not None:
+                cs = self.cos_sin(positions)
+                if not torch_cpu_compiled.rotate(qx, kx, *cs, self.pair_dim, qy, ky):
+                    self.rotate(qx, cs, qy)
+                    self.rotate(kx, cs, ky)
         keep = None if lo >= 0 else slots >= 0  # a negative slot skips the token's write
         self.write(k_pool, k_rot, slots, keep)
         self.write(v_pool, v if v.ndim == 3 else v[:, None], slots, keep)
-        return q_rot, k_rot.view(k.shape) if k_out is None else k_out, k_pool, v_pool
+        return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
+
+    def fused_pairs(self, q, k):
+        """One token's q and k as one ``[1, Hq + Hkv, *pairs]`` view where k's heads follow q's in memory
+        (a fused QKV projection's output) and all features rotate; else None."""
+        D = q.shape[2]
+        if self.rot.rotary_dim != D or k.ndim != 3 or k.shape[2] != D or k.stride(1) != q.stride(1) or \
+                k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
+            return None
+        try:  # past q's storage (k adjacent in another allocation): as_strided refuses
+            return q.as_strided((1, q.shape[1] + k.shape[1], *self.pairs), (q.stride(0), q.stride(1), self.pairs[1], 1))
+        except RuntimeError:
+            return None
+
