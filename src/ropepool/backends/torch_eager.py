@@ -77,6 +77,11 @@ def device_array(values, device) -> torch.Tensor:
     return arraymath.constant(values, _to_device, device)
 
 
+def rotation_freqs(rot, device):
+    """A Rotation's frequencies on ``device``; None where it needs none (an engine's table, no RoPE)."""
+    return device_array(rot.freqs, device) if rot.table is None and rot.rotary_dim else None
+
+
 def as_tensor_scale(scale, like):
     """A float scale as a float32 tensor: PyTorch's CUDA kernels turn division by a Python
     number into a multiplication by its reciprocal (an fp8 step off, now and then)."""
@@ -91,14 +96,12 @@ class Prepared:
 
     def bind(self, *arrays):
         if torch_cpu.covers(self.call, arrays):
-            rot = self.call.rotation
-            freqs = None if rot.table is not None or not rot.rotary_dim else device_array(rot.freqs, arrays[0].device)
-            return torch_cpu.Fast(self.call, freqs, self.run).run
+            return torch_cpu.Fast(self.call, rotation_freqs(self.call.rotation, arrays[0].device), self.run).run
         return self.run
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         call, rot, ops = self.call, self.call.rotation, TorchOps
-        freqs = None if rot.table is not None or not rot.rotary_dim else device_array(rot.freqs, q.device)
+        freqs = rotation_freqs(rot, q.device)
         cos, sin, ok = arraymath.cos_sin(rot, positions, freqs, rot.table, ops) if rot.rotary_dim else (None,) * 3
         # Weights are read, not differentiated: a Parameter must not make the cache a graph node.
         qw, kw = (None, None) if call.norm is None else (w if w is None else w.detach() for w in call.norm.weights)

@@ -26,7 +26,7 @@ import triton
 
 from ..dtypes import FP8_MAX, QMAX
 from ..layout import paged_view, pool_geometry
-from .torch_eager import device_array
+from .torch_eager import rotation_freqs
 from .triton_kernel import _INTERPRET, rope_pool_kernel
 
 _CONSTEXPRS = [n for n, p in inspect.signature(rope_pool_kernel.fn).parameters.items()
@@ -305,7 +305,7 @@ class Prepared:
         if got is None:
             call, rot = self.call, self.call.rotation
             qw, kw = (None, None) if call.norm is None else call.norm.weights
-            freqs = device_array(rot.freqs, device) if rot.table is None and rot.rotary_dim else None
+            freqs = rotation_freqs(rot, device)
             scales = (call.k_scale, call.v_scale, call.q_scale, call.k_out_scale)
             caches = (None if c is None else paged_view(c[..., None], call.pool)
                       for c in (call.k_scale_cache, call.v_scale_cache))
