@@ -22,7 +22,6 @@ import triton.language as tl
 
 import ropepool
 from ropepool import plan, validate
-from ropepool.backends import triton_op
 
 
 @triton.jit
@@ -52,14 +51,14 @@ def parts_of_a_call(T, args, kw):
     scalars = (kw["head_dim"], kw["num_qo_heads"], kw["num_kv_heads"], kw["rope_base"], *(None,) * 11,
                True, True)  # api.rope_pool_fused's order
     print("layout cache:", "on" if plan.lookup(scalars, arrays) is not None else "OFF (no TensorGuards in this torch)")
-    prep = plan.make(validate.check(*args, **kw), q, "triton").prepared
-    launch, extras = prep.launcher.bind(*args), prep.extras(q.device)
-    launch.more = triton_op._more_pointers(extras, None)  # as Prepared.bind sets it
+    launch = plan.make(validate.check(*args, **kw), q, "triton").bind(*args)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
+    contiguous = torch.contiguous_format
     return {
         f"  cache lookup T={T}": lambda: plan.lookup(scalars, arrays),
-        f"  two output allocations T={T}": lambda: (torch.empty_like(q), torch.empty_like(k)),
-        f"  direct launch T={T}": lambda: launch(*args, qo, ko, None, extras),
+        f"  two output allocations T={T}": lambda: (torch.empty_like(q, memory_format=contiguous),
+                                                    torch.empty_like(k, memory_format=contiguous)),
+        f"  launch, outputs given T={T}": lambda: launch(*args, qo, ko),
     }
 
 

@@ -89,20 +89,21 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
     except TypeError:  # an unhashable argument (rope={...}): checked in full, and rejected there
         return None
     if entries:
-        tensors = arrays[:7] if arrays[7] is None and arrays[8] is None else tuple(x for x in arrays if x is not None)
+        q, k, v, positions, slots, k_pool, v_pool, q_out, k_out = arrays
+        tensors = arrays[:7] if q_out is None and k_out is None else tuple(x for x in arrays if x is not None)
         # The guard leaves every token dim free, each on its own: the counts must agree with q's.
         try:
-            T = arrays[0].shape[0]
-            if not (arrays[1].shape[0] == arrays[2].shape[0] == arrays[4].shape[0] == arrays[3].shape[-1] == T) or \
+            T = q.shape[0]
+            if not (k.shape[0] == v.shape[0] == slots.shape[0] == positions.shape[-1] == T) or \
                     (len(tensors) > 7 and any(x.shape[0] != T for x in tensors[7:])):
                 return None
         except (AttributeError, IndexError, TypeError):  # not arrays: a full check says what is wrong
             return None
         for guard, run, values in entries:
             # The same memory for both pools is the one thing a layout cannot show.
-            if guard.check(*tensors) and arrays[5].data_ptr() != arrays[6].data_ptr():
+            if guard.check(*tensors) and k_pool.data_ptr() != v_pool.data_ptr():
                 if values is not None:
-                    check_host_values(values, arrays[3], arrays[4])
+                    check_host_values(values, positions, slots)
                 return run
     return None
 

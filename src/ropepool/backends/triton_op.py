@@ -187,36 +187,56 @@ class _Launch:
 
     Everything that does not change from call to call is worked out here, so
     a call reads only the data pointers: the host time of a decode step.
+    An eager plan's runner is this object itself (``adopt``), so a call is
+    one Python frame from the layout cache to Triton's C launcher.
     """
 
     def __init__(self, launcher: Launcher, strides: dict, offsets: tuple, pool_size: int):
         self.launcher, self.offsets, self.pool_size = launcher, offsets, pool_size
+        self.small_tokens = launcher.small_tokens
         self.constexprs = tuple({n: {**f, **strides}[n] for n in _CONSTEXPRS} for f in launcher.features)
         self.tails = tuple(tuple(c.values()) for c in self.constexprs)
         self.kernels: dict = {}  # (variant, alignment) -> compiled kernel
-        self.more = None  # the pointers after the arrays, when they never change (see Prepared.bind)
-        self.direct = [None, None]  # per variant, once compiled: (launch function, its leading args, the tail)
+        self.extras, self.long_from = None, None  # an eager plan's (adopt)
+        self.more = None  # the pointers after the arrays, when they never change (adopt)
+        # Per variant, once compiled: (C launch function, programs a token, the args before the arrays',
+        # the args after them).
+        self.direct = [None, None]
 
-    def __call__(self, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras):
+    def adopt(self, extras: tuple, long_from, fixed: bool) -> "_Launch":
+        """This layout as an eager plan's runner: the plan's extra tensors (``fixed``: their memory
+        never changes, so their pointers are read once) and where LongRoPE switches factors."""
+        self.extras, self.long_from = extras, long_from
+        if fixed:
+            self.more = _more_pointers(extras, None)
+        return self
+
+    def __call__(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None, use_long=None,
+                 extras=None):
+        """One call; returns q_out, k_out (new, contiguous, where not given) and the pools. Eager calls
+        give neither ``use_long`` nor ``extras`` (the adopted ones are used); the custom op gives both."""
+        # empty_like is the cheapest allocation on the host (no size argument to parse).
+        if q_out is None:
+            q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if k_out is None:
+            k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
         T = q.shape[0]
-        if not T:
-            return
-        ln = self.launcher
-        variant = 0 if T <= ln.small_tokens else 1
+        large = T > self.small_tokens  # the variant: 0 (decode-sized) or 1
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                 k_pool.data_ptr() + self.offsets[0], v_pool.data_ptr() + self.offsets[1], q_out.data_ptr(),
                 k_out.data_ptr())
-        direct = self.direct[variant]
-        hooks = triton.knobs.runtime if direct is not None else None
+        direct = self.direct[large]
         # Triton specialises on which pointers are 16-byte aligned: almost always all are.
         if direct is not None and not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7]
-                                       | ptrs[8]) % 16 and hooks.launch_enter_hook is None:
+                                       | ptrs[8]) % 16 and not _hooked(triton.knobs.runtime):
             # The whole launch of a decode step: nothing is looked up but the stream.
-            launch, lead, tail = direct
-            launch(T, ln.splits[variant], 1, _stream_of(q.device.index), *lead, None, None,
-                   hooks.launch_exit_hook, *ptrs, *tail)
-            return
-        self.launch(T, variant, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras)
+            launch, split, lead, tail = direct
+            launch(T, split, 1, _stream_of(q.get_device()), *lead, *ptrs, *tail)
+        elif T:
+            if extras is None:
+                extras, use_long = self.extras, _use_long(positions, self.long_from)
+            self.launch(T, large, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras)
+        return q_out, k_out, k_pool, v_pool
 
     def launch(self, T, variant, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras):
         """Any call: through the compiled kernel of its alignment, or the JIT the first time."""
@@ -231,13 +251,15 @@ class _Launch:
         split = ln.splits[variant]
         if kernel is not None:
             # What JITFunction.run does once it has found the compiled kernel.
-            stream = _stream_of(q.device.index)
+            stream = _stream_of(q.get_device())
             hooks = triton.knobs.runtime
-            enter = hooks.launch_enter_hook
             args = (*ptrs, *more, *scalars, *self.tails[variant])
-            meta = kernel.launch_metadata((T, split, 1), stream, *args) if enter else None
-            kernel.run(T, split, 1, stream, kernel.function, kernel.packed_metadata, meta, enter,
-                       hooks.launch_exit_hook, *args)
+            if _hooked(hooks):
+                kernel.run(T, split, 1, stream, kernel.function, kernel.packed_metadata,
+                           kernel.launch_metadata((T, split, 1), stream, *args), hooks.launch_enter_hook,
+                           hooks.launch_exit_hook, *args)
+            else:
+                kernel.run(T, split, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
             return
         # First launch of this variant (or the interpreter): through the JIT, with tensors.
         # The written layer as a tensor (the interpreter copies whole storages, so one element will do).
@@ -253,12 +275,13 @@ class _Launch:
                positions.dtype, slots.dtype)
         kernel = self.kernels[(variant, align)] = _KERNELS.setdefault(key, kernel)
         if align is True and self.more is not None and positions.ndim == 1:
-            self.direct[variant] = (*_direct_launch(kernel), (*more, *scalars, *self.tails[variant]))
+            launch, lead = _direct_launch(kernel)
+            self.direct[variant] = (launch, split, (*lead, None, None, None), (*more, *scalars, *self.tails[variant]))
 
 
 def _direct_launch(kernel) -> tuple:
     """(function, leading args) that launch ``kernel`` given (grid, stream, leading args, launch metadata,
-    enter hook, exit hook, kernel args).
+    enter hook, exit hook, kernel args): the last three None, as no hook is set.
 
     Triton 3.6's CudaLauncher.__call__ only allocates scratch memory (none for
     this kernel) before calling its C launch function: calling that directly
@@ -270,6 +293,19 @@ def _direct_launch(kernel) -> tuple:
         return run.launch, (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                             kernel.packed_metadata)
     return run, (kernel.function, kernel.packed_metadata)
+
+
+def _hooked(runtime) -> bool:
+    """Whether a launch hook is set (a profiler's): Triton 3.4-3.5 keep None when none is, 3.6 an empty
+    HookChain, which the C launcher would still call twice per launch, and whose launch metadata
+    (a dict of every argument) costs more than the launch."""
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+
+
+def _use_long(positions, long_from):
+    """LongRoPE's choice of factors, on the device: whether any position reaches ``long_from``."""
+    return None if long_from is None or not positions.numel() else positions.max() >= long_from
 
 
 def _more_pointers(extras, use_long) -> tuple:
@@ -326,26 +362,19 @@ class Prepared:
         """The runner for calls laid out like these arrays (under torch.compile: one that calls the op)."""
         extras = self.extras(q.device)
         long_from = self.call.rotation.long_from if self.call.rotation.table is None else None
-        contiguous = torch.contiguous_format
-        if torch.compiler.is_compiling():
-            launch, op_args = None, self.launcher.args()
-        else:
-            launch = self.launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
-                                        self.call.rotation.table, extras[8:])
-            if self.fixed_pointers():
-                launch.more = _more_pointers(extras, None)
+        if not torch.compiler.is_compiling():
+            return self.launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
+                                      self.call.rotation.table, extras[8:]).adopt(extras, long_from,
+                                                                                  self.fixed_pointers())
+        op_args = self.launcher.args()
 
         def run(q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
-            # empty_like is the cheapest allocation on the host (no size argument to parse).
             if q_out is None:
-                q_out = torch.empty_like(q, memory_format=contiguous)
+                q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
             if k_out is None:
-                k_out = torch.empty_like(k, memory_format=contiguous)
-            use_long = positions.max() >= long_from if long_from is not None and q.shape[0] else None
-            if launch is None:
-                rope_pool_op(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, *extras, *op_args)
-            else:
-                launch(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras)
+                k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+            rope_pool_op(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, _use_long(positions, long_from),
+                         *extras, *op_args)
             return q_out, k_out, k_pool, v_pool
 
         return run
