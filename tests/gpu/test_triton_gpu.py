@@ -159,11 +159,13 @@ def test_no_rope_layer(with_norm, rng):
          arith=gain(norm) if norm else TOL["float32"])
 
 
+@pytest.mark.parametrize("heads", [128, 16])
 @pytest.mark.parametrize("kind", ["flat", "fp8-combined-paged"])
 @pytest.mark.parametrize("T", [1, 64, 1024])
-def test_mla_deepseek_v3(kind, T, rng):
-    """DeepSeek-V3's latent cache: 128 heads, kv_lora_rank 512, rope_dim 64, YaRN with mscale;
-    fp8: vLLM's combined [pages, 64, 576] row through two column views, a tensor scale."""
+def test_mla_deepseek_v3(kind, T, heads, rng):
+    """DeepSeek-V3's latent cache: 128 heads (16 at TP-8: one warp a program), kv_lora_rank 512,
+    rope_dim 64, YaRN with mscale; fp8: vLLM's combined [pages, 64, 576] row through two column views,
+    a tensor scale."""
     spec = RopeSpec(head_dim=64, style="gptj", base=1e4, scaling=dict(
         rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
         mscale=1.0, mscale_all_dim=1.0))
@@ -175,7 +177,7 @@ def test_mla_deepseek_v3(kind, T, rng):
         combined = randn(rng, P // ps, ps, 576, dtype="float8_e4m3fn", scale=4.0)
         cache = Cache([combined], "NHD", ps, views=lambda o: (o[0][..., :512], o[0][..., 512:]), headed=False)
         scale = np.array([0.05], np.float32)
-    q_pe = X.array(randn(rng, T, 128, 64, dtype="bfloat16"))
+    q_pe = X.array(randn(rng, T, heads, 64, dtype="bfloat16"))
     run_latent_checked(X, q_pe, randn(rng, T, 64, dtype="bfloat16"), randn(rng, T, 512, dtype="bfloat16"),
                        make_positions(rng, T, high=100_000), slots, poison(cache, slots), rope=spec, scale=scale,
                        q_pe_out=q_pe if T == 64 else None)
@@ -293,3 +295,27 @@ def test_torch_compile_inductor(rng):
     torch._dynamo.reset()
     got = torch.compile(run_all, fullgraph=True)(calls)
     assert_same(calls, got, ref, want)
+
+
+def test_later_calls_launch_directly(rng, monkeypatch):
+    """A layout's later calls hand their pointers straight to the compiled kernel (no JIT, no launch
+    metadata), and stay exact; with a profiler's launch hook set they go through Triton's hooks."""
+    triton = pytest.importorskip("triton")
+    from ropepool.backends import triton_op
+
+    call(rng, "bfloat16", 5, 8, 2, 64)  # compiles this layout's kernel (or finds it)
+    slow, seen = [], []
+    launch = triton_op._Launch.launch
+    monkeypatch.setattr(triton_op._Launch, "launch", lambda self, *a: slow.append(1) or launch(self, *a))
+    call(rng, "bfloat16", 5, 8, 2, 64)
+    assert not slow, "a repeated decode call did not take the direct launch"
+    chain = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton has no HookChain")
+    hook = seen.append
+    chain.add(hook)
+    try:
+        call(rng, "bfloat16", 5, 8, 2, 64)
+    finally:
+        chain.remove(hook)
+    assert slow and seen, "a launch hook was set but not called"

@@ -70,10 +70,16 @@ def large_split(call) -> int:
     return split
 
 
-# Two warps a program: what the H200 sweep chose for every Llama-like geometry (docs/benchmarks.md).
-# (Four for tiles over 8k elements was tried untuned: (64, 8) heads with the fused norm then reached
-# 60% of copy bandwidth, where (32, 8) at two reached 93%.)
-DEFAULT_WARPS = 2
+def default_warps(call, split: int) -> int:
+    """Warps a program, given the large calls' head split.
+
+    Two: what the H200 sweep chose for every Llama-like geometry (four for
+    tiles over 8k elements was tried: (64, 8) heads with the fused norm then
+    reached 60% of copy bandwidth). One for a latent call whose q tile is at
+    most 1024 features (DeepSeek-V3 at TP-8: 16 heads x 64): 94% of copy
+    against 82-86% with two, fp8 cache or bf16 (docs/benchmarks.md).
+    """
+    return 1 if call.latent and _tile(call.num_qo_heads // split) * call.head_dim <= 1024 else 2
 
 
 def _features(call, split: int) -> dict:
@@ -129,7 +135,7 @@ class Launcher:
         geom = call.pool
         where = (-1 if geom.layer is None else geom.layer, geom.kv_layout or "", int(geom.headed))
         return cls(*(_features(call, s) for s in splits), tuning.small_tokens, splits,
-                   tuning.num_warps or DEFAULT_WARPS, where)
+                   tuning.num_warps or default_warps(call, splits[1]), where)
 
     def args(self) -> tuple:
         """This launcher as the custom op's arguments: lists of ints and floats, and a str."""
