@@ -19,7 +19,7 @@ from ropepool.backends import torch_cpu, torch_cpu_compiled  # noqa: E402
 from ropepool.values import check_values  # noqa: E402
 from tests.harness import (  # noqa: E402
     FLOATS,
-    backend_for,
+    Backend,
     cos_sin_table,
     make_cache,
     make_positions,
@@ -38,6 +38,7 @@ ROPES = {
     "none": lambda D: RopeSpec(head_dim=D, rotary_dim=0),
 }
 TABLE_POSITIONS = 1 << 14
+X = Backend("torch", "cpu")  # the CPU path, on a machine with a GPU too
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,7 +76,6 @@ def fused_qkv(rng, T, Hq, Hkv, D, dtype):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("T", [1, 7, 130])  # 130 tokens of 9 x 256: three blocks
 def test_fast_path_matches_oracle(dtype, rope, layout, T, rng, fast_writes):
-    X = backend_for("torch")
     Hq, Hkv, D, P = 9, 3, 256, 160
     q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
     slots = make_slots(rng, T, P, skip_every=4)  # shuffled, some negative (skipped)
@@ -88,7 +88,6 @@ def test_fast_path_matches_oracle(dtype, rope, layout, T, rng, fast_writes):
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_in_place_and_strided_outputs(dtype, rng, fast_writes):
     """q_out = q (in place) and a strided k_out: the rotation reads a pair before writing it."""
-    X = backend_for("torch")
     T, Hq, Hkv, D, P = 40, 4, 2, 64, 64
     q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
     k_out = torch.empty(T, Hkv, 2 * D, dtype=q.dtype)[..., :D]
@@ -105,7 +104,6 @@ def test_compiled_rotation(monkeypatch, rng, fast_writes):
     ran = []
     rotate = torch_cpu_compiled.rotate
     monkeypatch.setattr(torch_cpu_compiled, "rotate", lambda *a: ran.append(rotate(*a)) or ran[-1])
-    X = backend_for("torch")
     T, Hq, Hkv, D, P = 5, 3, 1, 64, 16
     for dtype in ("bfloat16", "float32"):
         q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
@@ -124,7 +122,6 @@ def test_compile_failure_falls_back(monkeypatch, rng, fast_writes):
     monkeypatch.setitem(torch_cpu_compiled._state, "fn", None)
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
     monkeypatch.setattr(torch_cpu_compiled.torch, "compile", broken)
-    X = backend_for("torch")
     T, Hq, Hkv, D, P = 6, 2, 1, 32, 16
     for i in range(2):
         q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "float32")
@@ -149,7 +146,6 @@ class _no_warning:
 
 def test_uncovered_features_take_the_general_path(rng, fast_writes):
     """An fp8 pool is not the fast path's: the call runs (checked) on torch_eager."""
-    X = backend_for("torch")
     T, Hq, Hkv, D, P = 5, 2, 1, 32, 8
     q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "bfloat16")
     slots = make_slots(rng, T, P)
@@ -202,7 +198,6 @@ def test_cos_sin_table_and_past_its_bound(monkeypatch, spy, style, scaling, rng,
     monkeypatch.setattr(torch_cpu, "_TABLE_POSITIONS", 1000)
     monkeypatch.setattr(torch_cpu, "_TABLE_CHUNK", 256)
     from_table = spy("from_table")
-    X = backend_for("torch")
     Hq, Hkv, D, P = 3, 1, 64, 128  # rotary_dim / 2 = 32: the table's smallest
     rope = RopeSpec(head_dim=D, style=style, scaling=scaling)
     rows = []
@@ -222,7 +217,6 @@ def test_fused_qk_of_one_token(spy, rng, fast_writes):
     """One token of a fused QKV output rotates q and k as one view, into contiguous q_rot and k_rot;
     q and k of separate tensors, several tokens, or partial RoPE do not."""
     fused = spy("fused_pairs")
-    X = backend_for("torch")
     Hq, Hkv, D, P = 4, 2, 64, 32
     for T, separate, rope in ((1, False, None), (1, True, None), (1, False, RopeSpec(head_dim=D, rotary_dim=32)),
                               (5, False, None)):

@@ -337,9 +337,12 @@ def run(geometries, tokens, device, pool_size=262144, dtype=torch.bfloat16, rota
     return rows
 
 
-def environment(device, dtype):
+def environment(device, dtype=None):
+    """Versions, date and machine for a benchmark record (``dtype``: where one dtype runs throughout)."""
     env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
-           "ropepool": ropepool.__version__, "device": str(device), "dtype": str(dtype).split(".")[-1]}
+           "ropepool": ropepool.__version__, "device": str(device)}
+    if dtype is not None:
+        env["dtype"] = str(dtype).split(".")[-1]
     if device.type == "cuda":
         import triton
 
