@@ -86,8 +86,13 @@ def _fp8(x, scale, out_ptr, FP8_MAX: tl.constexpr):
     x = x.to(tl.float32)
     r = 1.0 / scale
     y = x * r
-    y = tl.fma(tl.fma(-y, scale, x), r, y)
-    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(out_ptr.dtype.element_ty)
+    return _saturate(tl.fma(tl.fma(-y, scale, x), r, y), out_ptr, FP8_MAX)
+
+
+@triton.jit
+def _saturate(y, out_ptr, QMAX: tl.constexpr):
+    """float32 y clamped to [-QMAX, QMAX] and cast to out_ptr's dtype (int8: truncated)."""
+    return tl.minimum(tl.maximum(y, -QMAX), QMAX).to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -97,8 +102,7 @@ def _quantize(x, scale, out_ptr, MODE: tl.constexpr, QMAX: tl.constexpr):
     if MODE == 1:
         return _fp8(x, scale, out_ptr, QMAX)
     elif MODE == 2:
-        y = x.to(tl.float32) * scale
-        return tl.minimum(tl.maximum(y, -QMAX), QMAX).to(out_ptr.dtype.element_ty)
+        return _saturate(x.to(tl.float32) * scale, out_ptr, QMAX)
     else:
         return x.to(out_ptr.dtype.element_ty)
 
