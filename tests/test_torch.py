@@ -112,8 +112,9 @@ def test_layout_cache_across_token_counts(tbackend, first, rng):
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 def test_large_calls_split_big_tiles(style, monkeypatch, rng):
-    """Above small_tokens a token's heads go to one program unless its q tile would pass 32 x 128
-    features: (64, 8) heads of 128 are split over two programs, each writing its half of the KV heads."""
+    """Above small_tokens a token's heads go to one program unless the fused norm's q tile would pass
+    32 x 128 features: (64, 8) heads of 128 with the norm are split over two programs, each writing its
+    half of the KV heads; without the norm they stay whole."""
     X = backend_for("triton")
     ropepool_plan = pytest.importorskip("ropepool.plan")
     from ropepool.backends import triton_op
@@ -121,14 +122,16 @@ def test_large_calls_split_big_tiles(style, monkeypatch, rng):
     q, k, v = (X.array(randn(rng, t, h, D, dtype="bfloat16")) for t, h in ((T, Hq), (T, Hkv), (T, Hkv)))
     slots = make_slots(rng, T, P)
     rope = ropepool.RopeSpec(head_dim=D, style=style)
+    norm = ropepool.QKNorm(rng.standard_normal(D).astype(np.float32), None, weight_offset=1.0)
     cache = poison(make_cache(rng, "bfloat16", P, Hkv, D), slots)
     cache.owners = [X.array(o) for o in cache.owners]
-    call = validate.check(q, k, v, X.array(make_positions(rng, T)), X.array(slots), *cache.pools(), head_dim=D,
-                          num_qo_heads=Hq, num_kv_heads=Hkv, rope=rope)
-    assert triton_op.large_split(call) == 2
+    args = (q, k, v, X.array(make_positions(rng, T)), X.array(slots), *cache.pools())
+    kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope=rope)
+    assert triton_op.large_split(validate.check(*args, **kw)) == 1
+    assert triton_op.large_split(validate.check(*args, **kw, qk_norm=X.norm(norm))) == 2
     monkeypatch.setattr(ropepool_plan, "DEFAULT_TUNING", ropepool_plan.Tuning(small_tokens=0))  # every T is large
     ropepool_plan.forget()
     try:
-        run_checked(X, q, k, v, make_positions(rng, T), slots, cache, rope=rope)
+        run_checked(X, q, k, v, make_positions(rng, T), slots, cache, rope=rope, qk_norm=norm)
     finally:
         ropepool_plan.forget()

@@ -60,12 +60,15 @@ def default_split(call) -> int:
 def large_split(call) -> int:
     """Programs a token's heads are split over above ``small_tokens`` tokens.
 
-    A program's q tile stays at most Llama-3-8B's 32 x 128 features, where
-    two warps hold it in registers: larger tiles spill ((64, 8) heads with the
-    fused norm ran 8% slower whole than split in two; H200 sweep in
-    docs/benchmarks.md)."""
+    With the fused norm a program's q tile stays at most Llama-3-8B's 32 x 128
+    features: the norm's reduction holds it in registers, and larger tiles
+    spill ((64, 8) heads ran 8% slower whole than split in two). Without it
+    one program a token is faster: (64, 8) heads lost 4% of copy bandwidth and
+    DeepSeek-V3's 128-head latent call 5% when split (H200, docs/benchmarks.md).
+    """
     split = 1
-    while _tile(call.num_qo_heads // split) * call.head_dim > 4096 and call.num_qo_heads % (2 * split) == 0:
+    while call.norm is not None and _tile(call.num_qo_heads // split) * call.head_dim > 4096 and \
+            call.num_qo_heads % (2 * split) == 0:
         split *= 2
     return split
 
