@@ -138,3 +138,34 @@ def test_backend_choice(rng):
         assert_same_bits("backend=None vs backend='mlx'", X.numpy(a), X.numpy(b))
     with pytest.raises(ValueError, match=r"^backend 'torch' takes torch arrays; got mlx arrays"):
         ropepool.rope_pool_fused(*arrays, backend="torch", **kw)
+
+
+@pytest.mark.parametrize("rope", ["plain", "mrope"])
+def test_large_calls_run_in_chunks_on_the_cpu(rope, monkeypatch, rng):
+    """Above CHUNK_TOKENS tokens a CPU call runs in chunks of about CHUNK_FEATURES q features (the last
+    one shorter), each writing the pools the last returned: the same numbers as one pass."""
+    from ropepool.backends import mlx as backend
+    from tests.harness import make_cache, poison, run_checked
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("chunks are for MLX's CPU backend")
+    T, Hq, Hkv, D, P = 300, 4, 2, 64, 512
+    monkeypatch.setattr(backend, "CHUNK_FEATURES", 64 * Hq * D)  # 64 tokens a chunk: five, the last of 44
+    sizes, init = [], backend.Prepared.__init__
+
+    def counting_init(self, *a, **kw):  # counts the tokens of each eager pass
+        init(self, *a, **kw)
+        eager = self.eager
+        self.eager = lambda q, *b: sizes.append(q.shape[0]) or eager(q, *b)
+
+    monkeypatch.setattr(backend.Prepared, "__init__", counting_init)
+    spec = RopeSpec(head_dim=D, mrope_section=(8, 12, 12)) if rope == "mrope" else RopeSpec(head_dim=D)
+    positions = make_positions(rng, T) if rope == "plain" else np.stack([make_positions(rng, T)] * 3)
+    slots = make_slots(rng, T, P)
+    plan.forget()
+    try:
+        run_checked(X, randn(rng, T, Hq, D), randn(rng, T, Hkv, D), randn(rng, T, Hkv, D), positions, slots,
+                    poison(make_cache(rng, "float32", P, Hkv, D), slots), rope=spec)
+    finally:
+        plan.forget()  # no counting plan stays in the layout cache
+    assert sizes == [64, 64, 64, 64, 44], sizes
