@@ -357,7 +357,7 @@ def environment(device, dtype=None):
 def main(argv=None):
     from rich.progress import Progress
 
-    from .bench_report import plot, print_table
+    from .bench_report import plot, print_table, save_plot
 
     cuda_here = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="ropepool bench", description=__doc__.split("\n")[0])
@@ -409,6 +409,5 @@ def main(argv=None):
     print_table(rows, env)
     if a.json and rows:
         png = os.path.splitext(a.json)[0] + ".png"
-        plot([asdict(r) for r in rows], env, png)
-        print(f"wrote {a.json} and {png}")
+        print(f"wrote {a.json}; {save_plot(plot, [asdict(r) for r in rows], env, png)}")
     return 0

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 import ropepool
+from ropepool.bench_report import save_plot
 from ropepool.reference import rope_pool_fused as oracle
 
 GEOMETRIES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
@@ -241,6 +242,5 @@ def main(argv=None) -> int:
     rows = summary(records)
     print_table(rows, env)
     if a.out:
-        plot(records, env, a.out + ".png")
-        print(f"wrote {a.out}.json and {a.out}.png")
+        print(f"wrote {a.out}.json; {save_plot(plot, records, env, a.out + '.png')}")
     return 0 if all(r["ok"] for r in rows) else 1

@@ -15,6 +15,17 @@ COLORS = {"copy": "grey", "ropepool": "tab:orange", "flashinfer": "tab:green", "
           "eager": "tab:purple"}
 
 
+def save_plot(plot, *args) -> str:
+    """Call ``plot(*args)`` (its last argument the PNG's path); what was written, in words. Without
+    matplotlib (the ``bench`` extra) the records are still saved: say so instead of failing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install 'ropepool[bench]')"
+    plot(*args)
+    return f"the plot {args[-1]}"
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
