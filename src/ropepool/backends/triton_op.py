@@ -64,7 +64,7 @@ def large_split(call) -> int:
     features: the norm's reduction holds it in registers, and larger tiles
     spill ((64, 8) heads ran 8% slower whole than split in two). Without it
     one program a token is faster: (64, 8) heads lost 4% of copy bandwidth and
-    DeepSeek-V3's 128-head latent call 5% when split (H200, docs/benchmarks.md).
+    DeepSeek-V3's 128-head latent call 3-4% when split (H200, docs/benchmarks.md).
     """
     split = 1
     while call.norm is not None and _tile(call.num_qo_heads // split) * call.head_dim > 4096 and \
