@@ -63,14 +63,47 @@ def generate(model, prompts):
     return tokens, logprobs
 
 
-class Spy:
-    """Records the steps of a model and every ``rope_pool_fused`` call the integration makes, with its layer."""
+def max_gap(a, b):
+    """The largest difference of two runs' log-probabilities (``generate_batch``'s second item)."""
+    return max(abs(x - y) for r, s in zip(a[1], b[1]) for x, y in zip(r, s))
 
-    def __init__(self, model, monkeypatch):
+
+def served_both_ways(model, prompts, spy):
+    """``generate_batch`` as shipped (no ropepool call), then through ropepool (``rp.enable``): the same
+    tokens and log-probabilities, in as many steps. Returns the shipped run."""
+    shipped = generate_batch(model, prompts)
+    assert not spy.calls and spy.steps > 0
+    steps_shipped, spy.steps = spy.steps, 0
+    rp.enable(model)
+    fused = generate_batch(model, prompts)
+    assert fused[0] == shipped[0]
+    assert max_gap(fused, shipped) < LOGPROB_TOL
+    assert spy.steps == steps_shipped
+    return shipped
+
+
+class StepSpy:
+    """Counts a model's steps and keeps each cache its first attention layer ``first`` is given; subclasses
+    record the integration's calls in ``calls``, each with the layer that made it (``_layer``)."""
+
+    def __init__(self, model, first):
         self.steps, self.calls, self.caches, self._layer = 0, [], [], None
         model.register_forward_hook(self._step)
-        first = attention_layers(model)[0]
         first.register_forward_pre_hook(self._cache, with_kwargs=True, prepend=True)
+
+    def _step(self, module, args, output):
+        self.steps += 1
+
+    def _cache(self, module, args, kwargs):
+        if kwargs.get("cache") is not None and (not self.caches or self.caches[-1] is not kwargs["cache"]):
+            self.caches.append(kwargs["cache"])
+
+
+class Spy(StepSpy):
+    """Records every ``rope_pool_fused`` call the integration makes, with its layer."""
+
+    def __init__(self, model, monkeypatch):
+        super().__init__(model, attention_layers(model)[0])
         fused_step, op = attention.fused_step, attention.rope_pool_fused
 
         def spy_fused_step(layer, *args):
@@ -86,13 +119,6 @@ class Spy:
         monkeypatch.setattr(attention, "fused_step", spy_fused_step)
         monkeypatch.setattr(attention, "rope_pool_fused", spy_op)
 
-    def _step(self, module, args, output):
-        self.steps += 1
-
-    def _cache(self, module, args, kwargs):
-        if kwargs.get("cache") is not None and (not self.caches or self.caches[-1] is not kwargs["cache"]):
-            self.caches.append(kwargs["cache"])
-
 
 @pytest.mark.parametrize("family, attn_implementation", [
     pytest.param("llama", "sdpa", id="llama"),
@@ -106,18 +132,10 @@ def test_generate_batch_through_ropepool_equals_transformers(family, attn_implem
     model = demo.build_model(family, attn_implementation=attn_implementation)
     prompts = demo.make_prompts(model.config.vocab_size, PROMPT_LENGTHS)
     spy = Spy(model, monkeypatch)
-    shipped = generate_batch(model, prompts)
-    assert not spy.calls and spy.steps > 0
-    steps_shipped, spy.steps = spy.steps, 0
-
-    rp.enable(model)
-    fused = generate_batch(model, prompts)
-    assert fused[0] == shipped[0]
-    assert max(abs(a - b) for x, y in zip(fused[1], shipped[1]) for a, b in zip(x, y)) < LOGPROB_TOL
+    shipped = served_both_ways(model, prompts, spy)
 
     # One call per attention layer per step, each with its own layer's rotation and norm.
     layers = {m.layer_idx: attention._LAYERS[m] for m in attention_layers(model)}
-    assert spy.steps == steps_shipped
     assert [sum(c["layer"] is layers[i] for c in spy.calls) for i in layers] == [spy.steps] * len(layers)
     assert all(c["rope"] is c["layer"].rope and c["norm"] is c["layer"].norm for c in spy.calls)
     assert (family in ("qwen3", "gemma3")) == all(c["norm"] is not None for c in spy.calls)
@@ -143,7 +161,7 @@ def test_generate_batch_through_ropepool_equals_transformers(family, attn_implem
     plain = generate(model, prompts)
     assert len(spy.calls) == n
     assert plain[0] == shipped[0]
-    assert max(abs(a - b) for x, y in zip(plain[1], shipped[1]) for a, b in zip(x, y)) < LOGPROB_TOL
+    assert max_gap(plain, shipped) < LOGPROB_TOL
 
     rp.disable(model)
     assert generate_batch(model, prompts)[0] == shipped[0] and len(spy.calls) == n
@@ -159,8 +177,7 @@ def test_a_wrong_rotation_is_caught(monkeypatch):
         layer = attention._LAYERS[module]
         wrong = ropepool.RopeSpec(head_dim=layer.rope.head_dim, base=layer.rope.base * 1.01)
         monkeypatch.setitem(attention._LAYERS, module, dataclasses.replace(layer, rope=wrong))
-    fused = generate_batch(model, prompts)
-    assert max(abs(a - b) for x, y in zip(fused[1], shipped[1]) for a, b in zip(x, y)) > 10 * LOGPROB_TOL
+    assert max_gap(generate_batch(model, prompts), shipped) > 10 * LOGPROB_TOL
 
 
 def test_unhosted_models_are_refused():

@@ -15,7 +15,6 @@ A wrong rotation is caught by the log-probabilities.
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 import pytest
 
@@ -27,19 +26,21 @@ from ropepool import demo
 from ropepool.integrations import transformers as rp
 from ropepool.integrations.transformers import attention, latent
 from tests.test_hf_mla import V3_YARN, in_place
-from tests.test_integration import LOGPROB_TOL, PROMPT_LENGTHS, generate, generate_batch
+from tests.test_integration import (
+    LOGPROB_TOL,
+    PROMPT_LENGTHS,
+    StepSpy,
+    frozen_heap,  # noqa: F401  (transformers' batching manager calls gc.collect() when it stops)
+    generate,
+    generate_batch,
+    max_gap,
+    served_both_ways,
+)
 
 pytestmark = pytest.mark.skipif(
     not hasattr(pytest.importorskip("transformers.generation.continuous_batching.cache"), "MLACacheAllocator"),
     reason="this transformers' continuous batching has no latent cache (MLACacheAllocator)")
 LORA, NOPE, ROPE = 32, 16, 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def frozen_heap():
-    gc.freeze()  # transformers' batching manager calls gc.collect() when it stops; see test_integration.py
-    yield
-    gc.unfreeze()
 
 
 def build_model(interleave: bool, q_lora_rank: int | None, attn_implementation: str = "sdpa"):
@@ -58,14 +59,11 @@ def build_model(interleave: bool, q_lora_rank: int | None, attn_implementation: 
     return model
 
 
-class Spy:
-    """Counts the model's steps, records every ``rope_latent_fused`` call with its layer, keeps the caches."""
+class Spy(StepSpy):
+    """Records every ``rope_latent_fused`` call with its layer."""
 
     def __init__(self, model, monkeypatch):
-        self.steps, self.calls, self.caches, self._layer = 0, [], [], None
-        model.register_forward_hook(self._step)
-        first = next(m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa"))
-        first.register_forward_pre_hook(self._cache, with_kwargs=True, prepend=True)
+        super().__init__(model, next(m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa")))
         update, op = latent.LatentStep.update, latent.rope_latent_fused
 
         def spy_update(step, *args, **kwargs):
@@ -81,17 +79,6 @@ class Spy:
         monkeypatch.setattr(latent.LatentStep, "update", spy_update)
         monkeypatch.setattr(latent, "rope_latent_fused", spy_op)
 
-    def _step(self, module, args, output):
-        self.steps += 1
-
-    def _cache(self, module, args, kwargs):
-        if kwargs.get("cache") is not None and (not self.caches or self.caches[-1] is not kwargs["cache"]):
-            self.caches.append(kwargs["cache"])
-
-
-def max_gap(a, b):
-    return max(abs(x - y) for r, s in zip(a[1], b[1]) for x, y in zip(r, s))
-
 
 @pytest.mark.parametrize("interleave, q_lora_rank, attn_implementation", [
     pytest.param(True, 32, "sdpa", id="interleave-q-lora"),
@@ -105,18 +92,11 @@ def test_deepseek_v3_through_rope_latent_fused_equals_transformers(interleave, q
     model = build_model(interleave, q_lora_rank, attn_implementation)
     prompts = demo.make_prompts(model.config.vocab_size, PROMPT_LENGTHS)
     spy = Spy(model, monkeypatch)
-    shipped = generate_batch(model, prompts)
-    assert not spy.calls and spy.steps > 0
-    steps_shipped, spy.steps = spy.steps, 0
-
-    rp.enable(model)
-    fused = generate_batch(model, prompts)
-    assert fused[0] == shipped[0]
-    assert max_gap(fused, shipped) < LOGPROB_TOL
+    shipped = served_both_ways(model, prompts, spy)
 
     # One call per MLA layer per step, with DeepSeek's rotation from the config.
     layers = {m.layer_idx: attention._LAYERS[m] for m in model.modules() if m in attention._LAYERS}
-    assert sorted(layers) == [0, 1, 2] and spy.steps == steps_shipped
+    assert sorted(layers) == [0, 1, 2]
     assert [sum(c["layer"] is layers[i] for c in spy.calls) for i in layers] == [spy.steps] * 3
     assert all(c["rope"] == ropepool.RopeSpec.from_hf_config(model.config) for c in spy.calls)
     assert spy.calls[0]["rope"].style == ("gptj" if interleave else "neox")
