@@ -125,9 +125,13 @@ def check_per_token_head(X, rng, kv_layout, page_size, layers, layer, pool_dt, d
             assert err.max(initial=0.0) <= dtol + ROUNDING["float32"], f"k scales: rel err {err.max():.3g}"
         stored = paged_view(got_pools[i], geom)[page, row].astype(np.float64)
         ratio = rows_ref[write] / s_got[..., None]
-        bound = step_bound(pool_dt, ratio) + dtol * np.maximum(1.0, np.abs(rows_ref[write])) / s_got[..., None]
+        # The writer's float32 ``x * (1 / scale)`` rounds twice: a ratio just above an integer (the row's amax,
+        # 127.000002) may come out just below it and truncate one step further.
+        arithmetic = 2 * ROUNDING["float32"] * np.abs(ratio)
+        bound = (step_bound(pool_dt, ratio) + arithmetic
+                 + dtol * np.maximum(1.0, np.abs(rows_ref[write])) / s_got[..., None])
         if not (X.interpreted and pool_dt != "int8"):  # the interpreter's fp8 slips: checked against the port
-            assert (np.abs(stored - ratio) <= bound * (1 + 1e-6) + 1e-6).all(), f"pool {i}: a row beyond one step"
+            assert (np.abs(stored - ratio) <= bound).all(), f"pool {i}: a row beyond one step"
         untouched = np.ones(shape, bool)
         paged_view(untouched, geom)[page, row] = False
         assert_same_bits(f"pool {i} outside the written rows", got_pools[i][untouched], pools[i][untouched])
