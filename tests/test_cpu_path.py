@@ -98,37 +98,54 @@ def test_in_place_and_strided_outputs(dtype, rng, fast_writes):
 
 
 def test_compiled_rotation(monkeypatch, rng, fast_writes):
-    """Inductor's code (on in this test, from 2 tokens) gives the oracle's results; a call is counted."""
+    """Inductor's code (on in this test, from 2 tokens) gives the oracle's results for each dtype and for
+    q/k seen through a fused QKV row or contiguous, with in-place and strided outputs; each call is counted
+    and compiled once per key."""
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
+    monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
     ran = []
     rotate = torch_cpu_compiled.rotate
     monkeypatch.setattr(torch_cpu_compiled, "rotate", lambda *a: ran.append(rotate(*a)) or ran[-1])
-    T, Hq, Hkv, D, P = 5, 3, 1, 64, 16
-    for dtype in ("bfloat16", "float32"):
+    Hq, Hkv, D, P = 3, 1, 64, 64
+    for T, dtype, fused, in_place in ((5, "bfloat16", True, False), (5, "float32", True, False),
+                                      (7, "float32", True, False), (9, "float32", True, True),
+                                      (11, "float32", False, False)):
         q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
+        if not fused:
+            q, k = q.contiguous(), k.contiguous()
         slots = make_slots(rng, T, P)
-        run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, dtype, P, Hkv, D), slots))
-    assert ran == [True, True] and fast_writes[0] == 4
+        outs = dict(q_out=q, k_out=torch.empty(T, Hkv, 2 * D, dtype=q.dtype)[..., :D]) if in_place else {}
+        run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, dtype, P, Hkv, D), slots),
+                    **outs)
+    assert ran == [True] * 5 and fast_writes[0] == 10 and not torch_cpu_compiled._state["failed"]
+    assert len(torch_cpu_compiled._compiled) == 4, "T = 5 and 7 share one compiled function"
 
 
-def test_compile_failure_falls_back(monkeypatch, rng, fast_writes):
-    """No working C++ compiler (simulated): one warning, then the torch ops, with the same results."""
-    def broken(*a, **kw):
-        raise RuntimeError("no C++ compiler")
+@pytest.mark.parametrize("failure", ["compile", "results"])
+def test_compile_failure_falls_back(monkeypatch, rng, fast_writes, failure):
+    """No working C++ compiler, or compiled code whose results differ from the ops' (both simulated; the
+    first call in place, so wrong results have overwritten q): one warning, then the torch ops, with the
+    oracle's results."""
+    def broken(args, pair_dim, aliases):
+        if failure == "compile":
+            raise RuntimeError("no C++ compiler")
+        return lambda *a: [out.zero_() for out in a[4:]]
 
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
-    monkeypatch.setitem(torch_cpu_compiled._state, "fn", None)
+    monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
-    monkeypatch.setattr(torch_cpu_compiled.torch, "compile", broken)
+    monkeypatch.setattr(torch_cpu_compiled, "_compile", broken)
     T, Hq, Hkv, D, P = 6, 2, 1, 32, 16
     for i in range(2):
         q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "float32")
         slots = make_slots(rng, T, P)
-        with pytest.warns(RuntimeWarning, match="could not compile") if i == 0 else _no_warning():
+        match = "no C.. compiler" if failure == "compile" else "differ from the torch ops"
+        with pytest.warns(RuntimeWarning, match=match) if i == 0 else _no_warning():
             run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, "float32", P, Hkv, D),
-                                                                          slots))
+                                                                          slots), **({"q_out": q} if i == 0 else {}))
     assert torch_cpu_compiled._state["failed"] and fast_writes[0] == 4
 
 

@@ -69,6 +69,7 @@ class Fast:
         geom = call.pool
         # A flat pool is [rows, heads, dim] already, slot = row: no view per call.
         self.flat = geom.kv_layout is None and geom.layer is None and geom.headed
+        self.compiled = {}  # torch_cpu_compiled's functions for this layout
 
     def cos_sin(self, positions):
         """float32 ``cos`` and ``-sin, sin``, shaped to broadcast over ``x`` seen as ``[T, H, *pairs]``."""
@@ -193,7 +194,7 @@ class Fast:
             k_rot, kx, ky = self.pairs_of(k3, None if k_out is None else k_out.view(k3.shape))
             if qx is not None:
                 cs = self.cos_sin(positions)
-                if not torch_cpu_compiled.rotate(qx, kx, *cs, self.pair_dim, qy, ky):
+                if not torch_cpu_compiled.rotate(qx, kx, *cs, self.pair_dim, qy, ky, self.compiled):
                     self.rotate(qx, cs, qy)
                     self.rotate(kx, cs, ky)
         keep = None if lo >= 0 else slots >= 0  # a negative slot skips the token's write
