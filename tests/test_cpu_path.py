@@ -52,16 +52,33 @@ LAYOUTS = {"flat": {}, "NHD": dict(kv_layout="NHD", page_size=4), "HND": dict(kv
 
 @pytest.fixture
 def fast_writes(monkeypatch):
-    """How many pool writes the fast path made (two per call it ran)."""
+    """How many pool writes the fast path made (two per call it ran), by torch ops or in the compiled step."""
     count = [0]
-    write = torch_cpu.Fast.write
+    write, step = torch_cpu.Fast.write, torch_cpu.Fast.compiled_step
 
     def counted(self, *a):
         count[0] += 1
         return write(self, *a)
 
+    def counted_step(self, *a):
+        written = step(self, *a)
+        count[0] += 2 * written
+        return written
+
     monkeypatch.setattr(torch_cpu.Fast, "write", counted)
+    monkeypatch.setattr(torch_cpu.Fast, "compiled_step", counted_step)
     return count
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The compiled step on from 2 tokens (the suite runs with it off), from a clean state; the test fails if
+    it gave up (its warning would otherwise only slow the call down)."""
+    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
+    yield
+    assert not torch_cpu_compiled._state["failed"], "the compiled step gave up (see the warning)"
 
 
 def fused_qkv(rng, T, Hq, Hkv, D, dtype):
@@ -76,13 +93,30 @@ def fused_qkv(rng, T, Hq, Hkv, D, dtype):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("T", [1, 7, 130])  # 130 tokens of 9 x 256: three blocks
 def test_fast_path_matches_oracle(dtype, rope, layout, T, rng, fast_writes):
+    check_fast_path(dtype, rope, layout, T, rng, fast_writes, skip_every=4, high=2**24)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rope", sorted(set(ROPES) - {"none"}))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_compiled_step_matches_oracle(dtype, rope, layout, rng, fast_writes, compiled):
+    """The compiled step: 7 tokens, every one written, at positions below the cos/sin table's bound (it picks
+    the table's rows and, but for HND pages and partial RoPE, writes the pools); 130 with skipped tokens at
+    any position (cos/sin computed, the pools written by torch ops)."""
+    check_fast_path(dtype, rope, layout, 7, rng, fast_writes, skip_every=0, high=100_000)
+    check_fast_path(dtype, rope, layout, 130, rng, fast_writes, skip_every=4, high=2**24)
+    assert fast_writes[0] == 4
+
+
+def check_fast_path(dtype, rope, layout, T, rng, fast_writes, skip_every, high):
     Hq, Hkv, D, P = 9, 3, 256, 160
     q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
-    slots = make_slots(rng, T, P, skip_every=4)  # shuffled, some negative (skipped)
+    slots = make_slots(rng, T, P, skip_every=skip_every)  # shuffled; with skip_every some negative (skipped)
     cache = poison(make_cache(rng, dtype, P, Hkv, D, **LAYOUTS[layout]), slots)
-    positions = make_positions(rng, T, high=TABLE_POSITIONS - 1 if rope == "table" else 2**24)
+    positions = make_positions(rng, T, high=TABLE_POSITIONS - 1 if rope == "table" else high)
+    before = fast_writes[0]
     run_checked(X, q, k, v, positions, slots, cache, rope=ROPES[rope](D))
-    assert fast_writes[0] == 2
+    assert fast_writes[0] - before == 2
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -131,7 +165,7 @@ def test_compile_failure_falls_back(monkeypatch, rng, fast_writes, failure):
     def broken(args, pair_dim, aliases):
         if failure == "compile":
             raise RuntimeError("no C++ compiler")
-        return lambda *a: [out.zero_() for out in a[4:]]
+        return lambda *a: [out.zero_() for out in a[4:6]]
 
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)

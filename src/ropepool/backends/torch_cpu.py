@@ -71,20 +71,25 @@ class Fast:
         self.flat = geom.kv_layout is None and geom.layer is None and geom.headed
         self.compiled = {}  # torch_cpu_compiled's functions for this layout
 
-    def cos_sin(self, positions):
-        """float32 ``cos`` and ``-sin, sin``, shaped to broadcast over ``x`` seen as ``[T, H, *pairs]``."""
+    def cos_sin(self, positions, pick=True):
+        """float32 ``cos`` and ``-sin, sin``, shaped to broadcast over ``x`` seen as ``[T, H, *pairs]``, and
+        None; or, with ``pick=False`` where a table holds them, that table's two parts and the positions whose
+        rows they are (the compiled rotation picks them itself)."""
         rot = self.rot
         if rot.table is not None:
             half = rot.rotary_dim // 2
             rows = rot.table.index_select(0, positions).float()
-            return rows[:, :half].view(self.cs_shape), rows[:, half:2 * half].view(self.cs_shape) * self.sign
+            return rows[:, :half].view(self.cs_shape), rows[:, half:2 * half].view(self.cs_shape) * self.sign, None
         T = positions.shape[0]
         # Few positions are read as Python ints (0.4 us; a tensor max and int() cost 1.5).
         top = (max(positions.tolist()) if T <= _TABLE_TOKENS else int(positions.max())) if T else -1
         s = int(rot.long_from is not None and top >= rot.long_from)
         if self.tables is not None and T <= _TABLE_TOKENS and top < _TABLE_POSITIONS:
-            return self.from_table(s, positions, top)
-        return self.compute(self.freqs[s], positions)
+            cos, sin = self.from_table(s, top)
+            if not pick:
+                return cos, sin, positions
+            return cos.index_select(0, positions), sin.index_select(0, positions), None
+        return (*self.compute(self.freqs[s], positions), None)
 
     def compute(self, inv, positions):
         rot = self.rot
@@ -95,9 +100,9 @@ class Fast:
             sin.mul_(rot.attention_scaling)
         return cos, sin
 
-    def from_table(self, s, positions, top):
-        """``compute``'s cos and sin for positions up to ``top`` < _TABLE_POSITIONS: rows of tables shaped
-        like them, grown on demand in chunks of _TABLE_CHUNK positions (index_select keeps the shape)."""
+    def from_table(self, s, top):
+        """Tables of ``compute``'s cos and sin, a row per position, shaped like them, for positions up to ``top``
+        < _TABLE_POSITIONS: grown on demand in chunks of _TABLE_CHUNK positions (index_select keeps the shape)."""
         key = (s, self.cs_shape, self.rot.attention_scaling)
         tables = self.tables.get(key)
         if tables is None or tables[0].shape[0] <= top:
@@ -105,7 +110,7 @@ class Fast:
             new = self.compute(self.freqs[s], torch.arange(have, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK))
             # New tensors, then the swap: a concurrent call keeps reading the old tables.
             tables = self.tables[key] = new if tables is None else tuple(map(torch.cat, zip(tables, new)))
-        return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
+        return tables
 
     def pairs_of(self, x, out):
         """``out`` (new when None) and the rotated features of x and out as ``[T, H, *pairs]`` views
@@ -151,20 +156,24 @@ class Fast:
         y = torch.mul(xf, cos, out=out if xf is x else xf)
         torch.add(y, swapped, out=out)  # the one rounding to out's dtype
 
+    def rows_of(self, pool):
+        """The pool as ``[rows, heads, dim]`` (slot = row), or None where a page's rows are not one run (HND)."""
+        if self.flat:
+            return pool
+        view = paged_view(pool, self.call.pool)
+        return view.flatten(0, 1) if view.stride(0) == view.shape[1] * view.stride(1) else None
+
     def write(self, pool, rows, slots, keep):
-        """``rows [T, H, dim]`` into the pool at ``slots``; ``keep``: the tokens written (None: all)."""
+        """``rows [T, H, dim]`` into the pool at ``slots`` (int64); ``keep``: the tokens written (None: all)."""
         if keep is not None:
             rows, slots = rows[keep], slots[keep]
         if rows.dtype != pool.dtype:
             rows = rows.to(pool.dtype)
-        if self.flat:
-            pool.index_copy_(0, slots, rows)
-            return
-        view = paged_view(pool, self.call.pool)
-        if view.stride(0) == view.shape[1] * view.stride(1):  # pages of rows (NHD): one index a slot
-            view.flatten(0, 1).index_copy_(0, slots, rows)
+        flat = self.rows_of(pool)
+        if flat is not None:  # one index a slot
+            flat.index_copy_(0, slots, rows)
         else:
-            view.index_put_(page_and_row(slots, self.call.pool.page_size), rows)
+            paged_view(pool, self.call.pool).index_put_(page_and_row(slots, self.call.pool.page_size), rows)
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         # Few slots are read as Python ints (0.7 us; aminmax and int() cost 4).
@@ -173,34 +182,55 @@ class Fast:
             lo, hi = (min(few), max(few)) if few else (0, 0)
         else:
             lo, hi = map(int, slots.aminmax())
-        slots = slots.long()  # index_copy_'s index type
         table = self.rot.table
         # Slots past the pool, positions outside the engine's table: only a runner called without
         # validation sees them (tests do); the general path masks them.
         if hi >= self.call.pool_size or (table is not None and positions.numel() and not (
                 0 <= positions.min() and positions.max() < table.shape[0])):
             return self.general(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+        v3 = v if v.ndim == 3 else v[:, None]  # MLA: one latent head
+        written = False
         x = self.fused_pairs(q, k) if q_out is None and k_out is None and q.shape[0] == 1 else None
         if x is not None:  # one token's q and k heads in a row: rotated as one tensor, 5 torch ops instead of 10
             both = torch.empty(x.shape, dtype=q.dtype)
-            self._block(x, *self.cos_sin(positions), both)
+            self._block(x, *self.cos_sin(positions)[:2], both)
             # Its two parts, each contiguous (as_strided: one call, where a slice and a view are two).
             (Hq, D), Hkv = q.shape[1:], k.shape[1]
             row = (Hq + Hkv) * D
             q_rot, k_rot = both.as_strided((1, Hq, D), (row, D, 1)), both.as_strided((1, Hkv, D), (row, D, 1), Hq * D)
         else:
-            k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head
+            k3 = k if k.ndim == 3 else k[:, None]
             q_rot, qx, qy = self.pairs_of(q, q_out)
             k_rot, kx, ky = self.pairs_of(k3, None if k_out is None else k_out.view(k3.shape))
-            if qx is not None:
-                cs = self.cos_sin(positions)
-                if not torch_cpu_compiled.rotate(qx, kx, *cs, self.pair_dim, qy, ky, self.compiled):
-                    self.rotate(qx, cs, qy)
-                    self.rotate(kx, cs, ky)
-        keep = None if lo >= 0 else slots >= 0  # a negative slot skips the token's write
-        self.write(k_pool, k_rot, slots, keep)
-        self.write(v_pool, v if v.ndim == 3 else v[:, None], slots, keep)
+            if qx is not None and torch_cpu_compiled.wanted(q.shape[0]):
+                whole = lo >= 0 and self.rot.rotary_dim == k3.shape[2]  # k_rot is ky; every token written
+                written = self.compiled_step(qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole)
+            elif qx is not None:
+                cs = self.cos_sin(positions)[:2]
+                self.rotate(qx, cs, qy)
+                self.rotate(kx, cs, ky)
+        if not written:
+            slots = slots.long()  # index_copy_'s index type
+            keep = None if lo >= 0 else slots >= 0  # a negative slot skips the token's write
+            self.write(k_pool, k_rot, slots, keep)
+            self.write(v_pool, v3, slots, keep)
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
+
+    def compiled_step(self, qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole) -> bool:
+        """The rotation through torch_cpu_compiled, which also picks the cos/sin rows of a table and, where
+        ``whole`` and the pools are rows, writes them. Whether the pools are written."""
+        cos, sin, picked = self.cos_sin(positions, pick=False)
+        k_rows = v_rows = None
+        if whole:
+            k_rows, v_rows = self.rows_of(k_pool), self.rows_of(v_pool)
+        writes = None if k_rows is None or v_rows is None else (v3, slots, k_rows, v_rows)
+        if torch_cpu_compiled.rotate(qx, kx, cos, sin, self.pair_dim, qy, ky, self.compiled, picked, writes):
+            return writes is not None
+        if picked is not None:
+            cos, sin = cos.index_select(0, picked), sin.index_select(0, picked)
+        self.rotate(qx, (cos, sin), qy)
+        self.rotate(kx, (cos, sin), ky)
+        return False
 
     def fused_pairs(self, q, k):
         """One token's q and k as one ``[1, Hq + Hkv, *pairs]`` view where k's heads follow q's in memory

@@ -37,37 +37,52 @@ _state = {"failed": False}
 _compiled: dict = {}
 
 
-def _rotate(q, k, cos, sin, q_out, k_out, *, pair_dim: int):
+def _step(q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows, *, pair_dim: int):
+    """``out = x * cos + swap(x) * sin`` for q and k. With ``positions``, cos and sin are tables and these
+    their rows; with ``slots``, k_out's and v's rows also go to those rows of k_rows and v_rows (the pools as
+    ``[rows, heads, dim]``; k_out then holds all of k_rot)."""
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
     for x, out in ((q, q_out), (k, k_out)):
         xf = x.float()
         out.copy_(xf * cos + xf.flip(pair_dim) * sin)
+    if slots is not None:
+        rows = slots.long()
+        k_rows.index_copy_(0, rows, k_out.flatten(2))
+        v_rows.index_copy_(0, rows, v)
 
 
 def enabled() -> bool:
     return os.environ.get("ROPEPOOL_CPU_COMPILE", "on").lower() not in ("off", "0", "false") and not _state["failed"]
 
 
+def wanted(tokens: int) -> bool:
+    """Whether a call of this many tokens goes through ``rotate``."""
+    return tokens >= MIN_TOKENS and enabled()
+
+
 def _aliases(args) -> tuple:
     """For each argument the index of the first one that is the same elements (q_out = q: in place)."""
-    views = [(x.data_ptr(), x.shape, x.stride()) for x in args]
-    return tuple(views.index(view) for view in views)
+    views = [None if x is None else (x.data_ptr(), x.shape, x.stride()) for x in args]
+    return tuple(None if view is None else views.index(view) for view in views)
 
 
 def _key(args, pair_dim, aliases):
-    return pair_dim, aliases, tuple((x.dtype, x.shape[1:], x.stride()[1:], x.is_contiguous()) for x in args)
+    return pair_dim, aliases, tuple(None if x is None else (x.dtype, x.shape[1:], x.stride()[1:], x.is_contiguous())
+                                    for x in args)
 
 
 def _compile(args, pair_dim, aliases):
-    """Inductor's code for ``_rotate`` over the distinct arguments (an alias is traced as one tensor, so
+    """Inductor's code for ``_step`` over the distinct arguments (an alias is traced as one tensor, so
     inductor sees the in-place write of what the flip reads)."""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental import _config as fx_config
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    distinct = sorted(set(aliases))
+    distinct = sorted({i for i in aliases if i is not None})
 
     def traced(*tensors):
-        _rotate(*(tensors[distinct.index(i)] for i in aliases), pair_dim=pair_dim)
+        _step(*(None if i is None else tensors[distinct.index(i)] for i in aliases), pair_dim=pair_dim)
 
     # Traced on tensors of their own: q and k views of one QKV row share memory but never overlap, and an
     # in-place write to a view of shared memory is what AOTAutograd cannot trace symbolically.
@@ -83,31 +98,39 @@ def _same_bits(got, want) -> bool:
 
 
 def _checked_run(fn, args, pair_dim) -> bool:
-    """Runs a new compiled function once; whether its results are the ops' bit for bit (where not, the
-    outputs get the ops' results: an in-place call has overwritten its inputs by then)."""
-    inputs = [x.clone() for x in args[:4]]
+    """Runs a new compiled function once; whether its results (outputs, written pool rows) are the ops' bit
+    for bit. Where not, they get the ops' results: an in-place call has overwritten its inputs by then."""
+    q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows = args
+    q0, k0 = q.clone(), k.clone()
     fn(*args)
-    want = [torch.empty_like(out) for out in args[4:]]
-    _rotate(*inputs, *want, pair_dim=pair_dim)
-    if all(_same_bits(out, w) for out, w in zip(args[4:], want)):
+    want = [torch.empty_like(q_out), torch.empty_like(k_out)]
+    _step(q0, k0, cos, sin, *want, positions, None, None, None, None, pair_dim=pair_dim)
+    got = [q_out, k_out]
+    if slots is not None:
+        rows = slots.long()
+        got += [k_rows[rows], v_rows[rows]]
+        want += [want[1].flatten(2), v]
+    if all(_same_bits(g, w) for g, w in zip(got, want)):
         return True
-    for out, w in zip(args[4:], want):
-        out.copy_(w)
+    q_out.copy_(want[0])
+    k_out.copy_(want[1])
+    if slots is not None:
+        k_rows.index_copy_(0, rows, want[2])
+        v_rows.index_copy_(0, rows, v)
     return False
 
 
-def rotate(q, k, cos, sin, pair_dim: int, q_out, k_out, bound: dict) -> bool:
-    """``out = x * cos + swap(x) * sin`` for q and k (torch_cpu's shapes) in one compiled call; False where
-    it did not write the outputs (too few tokens, turned off, or compiling failed): they are the caller's.
+def rotate(q, k, cos, sin, pair_dim: int, q_out, k_out, bound: dict, positions=None, writes=None) -> bool:
+    """``_step`` in one compiled call (``writes``: None or (v, slots, k_rows, v_rows)); False where it did
+    not run (compiling failed): the outputs and pools are then the caller's.
 
     ``bound``: the caller's functions for one layout of the arguments (torch_cpu.Fast's), by which outputs
-    are their inputs; working out the full key costs more than the call (~15 us)."""
-    if q.shape[0] < MIN_TOKENS or not enabled():
-        return False
-    args = (q, k, cos, sin, q_out, k_out)
-    in_place = (q_out.data_ptr() == q.data_ptr(), k_out.data_ptr() == k.data_ptr())
+    are their inputs and which of positions and writes are given; working out the full key costs more than
+    the call (~15 us)."""
+    args = (q, k, cos, sin, q_out, k_out, positions, *(writes or (None,) * 4))
+    known = (q_out.data_ptr() == q.data_ptr(), k_out.data_ptr() == k.data_ptr(), positions is None, writes is None)
     try:
-        fn = bound.get(in_place)
+        fn = bound.get(known)
         if fn is not None:
             fn(*args)  # inductor's code asserts every size and stride before it writes
             return True
@@ -121,7 +144,7 @@ def rotate(q, k, cos, sin, pair_dim: int, q_out, k_out, bound: dict) -> bool:
             if not _checked_run(fn, args, pair_dim):
                 return _give_up("its results differ from the torch ops'", done=True)
             _compiled[key] = fn
-        bound[in_place] = fn
+        bound[known] = fn
         return True
     except Exception as e:  # no compiler, a broken toolchain, a changed private API: the ops give the same numbers
         return _give_up(f"{type(e).__name__}: {e}", done=False)
@@ -131,5 +154,5 @@ def _give_up(problem: str, done: bool) -> bool:
     _state["failed"] = True
     warnings.warn(f"ropepool: inductor's CPU rotation is not used ({problem}); using torch ops instead (slower "
                   "from 256 tokens on). Set ROPEPOOL_CPU_COMPILE=off to skip compiling.", RuntimeWarning,
-                  stacklevel=5)
+                  stacklevel=6)
     return done
