@@ -101,11 +101,12 @@ def test_fast_path_matches_oracle(dtype, rope, layout, T, rng, fast_writes):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_compiled_step_matches_oracle(dtype, rope, layout, rng, fast_writes, compiled):
     """The compiled step: 7 tokens, every one written, at positions below the cos/sin table's bound (it picks
-    the table's rows and, but for HND pages and partial RoPE, writes the pools); 130 with skipped tokens at
-    any position (cos/sin computed, the pools written by torch ops)."""
+    the table's rows and, but for HND pages and partial RoPE, writes the pools); 5 above it (cos/sin computed,
+    the pools written the same way); 130 with skipped tokens (the pools written by torch ops)."""
     check_fast_path(dtype, rope, layout, 7, rng, fast_writes, skip_every=0, high=100_000)
+    check_fast_path(dtype, rope, layout, 5, rng, fast_writes, skip_every=0, high=2**24)
     check_fast_path(dtype, rope, layout, 130, rng, fast_writes, skip_every=4, high=2**24)
-    assert fast_writes[0] == 4
+    assert fast_writes[0] == 6
 
 
 def check_fast_path(dtype, rope, layout, T, rng, fast_writes, skip_every, high):

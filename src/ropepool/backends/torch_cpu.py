@@ -9,10 +9,12 @@ straight into the output (float32) or upcast once and rounded once into it
 at positions < 2^17, rows of a table made once). One token's q and k heads
 that lie in a row (a fused QKV output) are rotated as one tensor: at one token
 a torch op costs more than its arithmetic (~2 us). The pools are written with
-one ``index_copy_`` each. Per the contract (docs/precision.md) angles are
-``float32(p) * inv_freq32``, cos/sin are torch's accurate float32 functions
-and the arithmetic is float32 throughout, with the same roundings as
-``torch_eager`` (its results bit for bit).
+one ``index_copy_`` each. From 2 tokens ``torch_cpu_compiled`` runs the
+rotation as one inductor-compiled step instead, which also picks the table's
+cos/sin rows and, where it can, writes the pools. Per the contract
+(docs/precision.md) angles are ``float32(p) * inv_freq32``, cos/sin are
+torch's accurate float32 functions and the arithmetic is float32 throughout,
+with the same roundings as ``torch_eager`` (its results bit for bit).
 
 It takes the calls ``covers`` accepts (plain, partial, GPT-J, scaled and
 longrope rotations, an engine's table, every pool layout, MLA's latent); the
@@ -203,7 +205,9 @@ class Fast:
             q_rot, qx, qy = self.pairs_of(q, q_out)
             k_rot, kx, ky = self.pairs_of(k3, None if k_out is None else k_out.view(k3.shape))
             if qx is not None and torch_cpu_compiled.wanted(q.shape[0]):
-                whole = lo >= 0 and self.rot.rotary_dim == k3.shape[2]  # k_rot is ky; every token written
+                # k_rot is ky, every token written, and few tokens: from 256 inductor's scatter is slower
+                # than index_copy_ (measured), below the two ops cost more than the rows.
+                whole = lo >= 0 and self.rot.rotary_dim == k3.shape[2] and q.shape[0] <= _TABLE_TOKENS
                 written = self.compiled_step(qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole)
             elif qx is not None:
                 cs = self.cos_sin(positions)[:2]
