@@ -22,9 +22,9 @@ failure to trace, compile or run warns once and leaves the ops to every later
 call.
 
 Used from ``MIN_TOKENS`` tokens (one token's q and k are rotated as one tensor
-by five ops, as fast). ``ROPEPOOL_CPU_COMPILE=off`` turns it off. The first
-call of a dtype compiles for a few seconds; another layout hits inductor's
-on-disk cache (~0.5 s).
+by five ops, as fast). ``ROPEPOOL_CPU_COMPILE=off`` turns it off. Each new
+graph (a dtype, with or without table rows, pool writes, in place) compiles
+for ~5 s; a key whose graph inductor has on disk takes ~0.5 s.
 """
 from __future__ import annotations
 
