@@ -204,15 +204,11 @@ class Fast:
             k3 = k if k.ndim == 3 else k[:, None]
             q_rot, qx, qy = self.pairs_of(q, q_out)
             k_rot, kx, ky = self.pairs_of(k3, None if k_out is None else k_out.view(k3.shape))
-            if qx is not None and torch_cpu_compiled.wanted(q.shape[0]):
+            if qx is not None:
                 # k_rot is ky, every token written, and few tokens: from 256 inductor's scatter is slower
                 # than index_copy_ (measured), below the two ops cost more than the rows.
                 whole = lo >= 0 and self.rot.rotary_dim == k3.shape[2] and q.shape[0] <= _TABLE_TOKENS
                 written = self.compiled_step(qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole)
-            elif qx is not None:
-                cs = self.cos_sin(positions)[:2]
-                self.rotate(qx, cs, qy)
-                self.rotate(kx, cs, ky)
         if not written:
             slots = slots.long()  # index_copy_'s index type
             keep = None if lo >= 0 else slots >= 0  # a negative slot skips the token's write
@@ -221,15 +217,18 @@ class Fast:
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
 
     def compiled_step(self, qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole) -> bool:
-        """The rotation through torch_cpu_compiled, which also picks the cos/sin rows of a table and, where
-        ``whole`` and the pools are rows, writes them. Whether the pools are written."""
-        cos, sin, picked = self.cos_sin(positions, pick=False)
-        k_rows = v_rows = None
-        if whole:
-            k_rows, v_rows = self.rows_of(k_pool), self.rows_of(v_pool)
-        writes = None if k_rows is None or v_rows is None else (v3, slots, k_rows, v_rows)
-        if torch_cpu_compiled.rotate(qx, kx, cos, sin, self.pair_dim, qy, ky, self.compiled, picked, writes):
-            return writes is not None
+        """The rotation of q and k: through torch_cpu_compiled where wanted, which also picks the cos/sin rows
+        of a table and, where ``whole`` and the pools are rows, writes them; else (or where it did not run)
+        by torch ops. Whether the pools are written."""
+        compiled = torch_cpu_compiled.wanted(qx.shape[0])
+        cos, sin, picked = self.cos_sin(positions, pick=not compiled)
+        if compiled:
+            k_rows = v_rows = None
+            if whole:
+                k_rows, v_rows = self.rows_of(k_pool), self.rows_of(v_pool)
+            writes = None if k_rows is None or v_rows is None else (v3, slots, k_rows, v_rows)
+            if torch_cpu_compiled.rotate(qx, kx, cos, sin, self.pair_dim, qy, ky, self.compiled, picked, writes):
+                return writes is not None
         if picked is not None:
             cos, sin = cos.index_select(0, picked), sin.index_select(0, picked)
         self.rotate(qx, (cos, sin), qy)
