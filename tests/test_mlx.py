@@ -102,6 +102,27 @@ def test_graph_does_not_grow_with_tokens(tokens, rng):
     assert counts[0] == counts[1], f"graph nodes: {counts[0]} for T={tokens[0]}, {counts[1]} for T={tokens[1]}"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_calls_run_the_compiled_graph(dtype, rng):
+    """Calls of up to COMPILE_MAX_TOKENS tokens run the mx.compile'd graph, traced once and then reused
+    (its Python does not run again), with the oracle's numbers; a larger call runs the graph eagerly."""
+    from ropepool.backends import mlx as backend
+    from ropepool.backends import paths
+    from tests.harness import make_cache, poison, run_checked
+
+    Hq, Hkv, D, P = 4, 2, 64, 128
+    for T, compiled in ((backend.COMPILE_MAX_TOKENS, 3), (backend.COMPILE_MAX_TOKENS + 1, 0)):
+        with paths.counting() as seen:
+            for _ in range(3):
+                slots = make_slots(rng, T, P)
+                run_checked(X, randn(rng, T, Hq, D, dtype=dtype), randn(rng, T, Hkv, D, dtype=dtype),
+                            randn(rng, T, Hkv, D, dtype=dtype), make_positions(rng, T), slots,
+                            poison(make_cache(rng, dtype, P, Hkv, D), slots))
+        assert seen["mlx.compiled"] == compiled, f"T={T}: {seen['mlx.compiled']} compiled calls of 3"
+        traced = seen["mlx.traced"]
+        assert traced <= 1 if compiled else traced == 3, f"T={T}: the graph's Python ran {traced} times in 3 calls"
+
+
 @pytest.mark.parametrize("scales", ["floats", "per-head"])
 def test_uint8_pool_is_e4m3_as_to_fp8_stores_it(scales, rng):
     """An MLX uint8 pool holds mx.to_fp8(value / scale): MLX's own conversion, bit for bit, saturated.

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..dtypes import FP8_MAX
 from ..layout import page_and_row, row_ids
-from . import arraymath
+from . import arraymath, paths
 
 COMPILE_MAX_TOKENS = 64
 CHUNK_TOKENS = 256  # larger calls run in chunks on MLX's CPU backend ...
@@ -163,6 +163,7 @@ def _graph(call):
     rot, norm, ops = call.rotation, call.norm, MlxOps
 
     def graph(q, k, v, positions, slots, k_pool, v_pool, freqs, table, qw, kw, k_scale, v_scale):
+        paths.took("mlx.traced")  # Python runs here at each eager call, but once per trace when compiled
         cos, sin, ok = arraymath.cos_sin(rot, positions, freqs, table, ops) if rot.rotary_dim else (None,) * 3
         k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head, k_pe [T, r] or [T, 1, r]
         v3 = v if v.ndim == 3 else v[:, None]  # and kv_c [T, rank]
@@ -201,6 +202,7 @@ class Prepared:
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):  # outs: torch only
         T = q.shape[0]
         if T <= COMPILE_MAX_TOKENS:
+            paths.took("mlx.compiled")
             return self.compiled(q, k, v, positions, slots, k_pool, v_pool, *self.arrays)
         if T <= CHUNK_TOKENS or self.call.rotation.long_from is not None or mx.default_device() != mx.cpu:
             # longrope: one choice of factors per call; a GPU runs the whole call in one pass of each op

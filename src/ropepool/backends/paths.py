@@ -1,0 +1,65 @@
+"""Counters of the fast paths taken, so that a test can see the path it is named for run.
+
+A result that matches the oracle says nothing about which code produced it:
+a fast path that is silently bypassed (its condition never true, an
+exception swallowed into a fallback) gives the same numbers. So each fast
+path counts itself, and its tests assert the count.
+
+In a backend, one line where the fast path runs, and nowhere else::
+
+    from . import paths
+    ...
+    paths.took("mlx.compiled")  # one call ran the compiled decode graph
+
+Count in plain Python, outside traced or compiled code (there it would run
+once per trace, not once per call), and only after the point where a fallback
+can no longer take over, so that the count means the path did the work.
+
+In a test::
+
+    from ropepool.backends import paths
+
+    with paths.counting() as seen:
+        ropepool.rope_pool_fused(...)
+    assert seen["mlx.compiled"] == 1
+
+``seen`` is filled when the block ends: how many times each path ran inside
+it (paths that did not run read 0). ``count(path)`` is the running total of
+the process. A count is one dict update per call (tens of nanoseconds), so it
+is always on.
+
+Paths counted now (keep this list in step):
+
+- ``mlx.compiled``: an MLX call ran the ``mx.compile``d decode graph;
+- ``mlx.traced``: the Python of MLX's graph function ran: at every eager
+  call, and once per trace of the compiled graph (so a compiled call that
+  really reuses its graph does not add one).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
+
+_COUNTS: Counter = Counter()
+
+
+def took(path: str) -> None:
+    """Count one run of the fast path ``path`` (a dotted name, ``"<backend>.<path>"``)."""
+    _COUNTS[path] += 1
+
+
+def count(path: str) -> int:
+    """How many times ``path`` has run in this process."""
+    return _COUNTS[path]
+
+
+@contextmanager
+def counting() -> Iterator[Counter]:
+    """A Counter that, when the block ends, holds how many times each path ran inside the block."""
+    start = _COUNTS.copy()
+    seen: Counter = Counter()
+    try:
+        yield seen
+    finally:
+        seen.update(_COUNTS - start)
