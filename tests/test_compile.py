@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 import ropepool  # noqa: E402
 from ropepool import QKNorm, RopeSpec, plan  # noqa: E402
-from tests.harness import assert_same_bits, backend_for, make_positions, make_slots, randn  # noqa: E402
+from tests.harness import TOL, assert_close, assert_same_bits, backend_for, make_positions, make_slots, randn
 
 
 def compiled_and_eager(X, features, rng, remembered):
@@ -61,17 +61,35 @@ def test_compile_after_an_eager_call_with_a_spec(rng):
 
 
 FIRST = """
-import torch, ropepool
-q, k, v = (torch.randn(4, h, 64) for h in (2, 1, 1))
-pools = [torch.zeros(8, 1, 64) for _ in range(2)]
-step = lambda *a: ropepool.rope_pool_fused(*a, head_dim=64, num_qo_heads=2, num_kv_heads=1, backend="torch")[:2]
-torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, torch.arange(4), torch.arange(4), *pools)
+import sys, numpy as np, torch, ropepool
+a = np.load(sys.argv[1])
+q, k, v, positions, slots, k_pool, v_pool = (torch.from_numpy(a[n]) for n in a.files)  # in savez order
+step = lambda *x: ropepool.rope_pool_fused(*x, head_dim=64, num_qo_heads=2, num_kv_heads=1, backend="torch")[:2]
+q_rot, k_rot = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, positions, slots, k_pool, v_pool)
+np.savez(sys.argv[2], q_rot=q_rot.numpy(), k_rot=k_rot.numpy(), k_pool=k_pool.numpy(), v_pool=v_pool.numpy())
 """
 
 
-def test_compile_first_in_a_process():
-    """A server may compile its model before any eager call: the op must trace in a fresh process."""
-    subprocess.run([sys.executable, "-c", FIRST], check=True, capture_output=True, timeout=300)
+def test_compile_first_in_a_process(rng, tmp_path):
+    """A server may compile its model before any eager call: the op must trace in a fresh process, and the
+    compiled call give the oracle's q_rot and k_rot and write the pools (written rows, the rest untouched)."""
+    T, D, P = 4, 64, 8
+    given = dict(q=randn(rng, T, 2, D), k=randn(rng, T, 1, D), v=randn(rng, T, 1, D),
+                 positions=make_positions(rng, T), slots=make_slots(rng, T, P),  # two tokens skipped
+                 k_pool=randn(rng, P, 1, D), v_pool=randn(rng, P, 1, D))
+    np.savez(tmp_path / "given.npz", **given)
+    done = subprocess.run([sys.executable, "-c", FIRST, str(tmp_path / "given.npz"), str(tmp_path / "got.npz")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(tmp_path / "got.npz")
+    oracle = ropepool.reference.rope_pool_fused(*given.values(), head_dim=D, num_qo_heads=2, num_kv_heads=1)
+    assert_close("q_rot (compiled first)", got["q_rot"], oracle[0], TOL["float32"])
+    assert_close("k_rot (compiled first)", got["k_rot"], oracle[1], TOL["float32"])
+    written, slots = given["slots"] >= 0, given["slots"]
+    want_k, want_v = given["k_pool"].copy(), given["v_pool"].copy()
+    want_k[slots[written]], want_v[slots[written]] = got["k_rot"][written], given["v"][written]
+    assert_same_bits("k_pool (k_rot at the written slots, the rest untouched)", got["k_pool"], want_k)
+    assert_same_bits("v_pool (v at the written slots, the rest untouched)", got["v_pool"], want_v)
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
