@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 import ropepool
+from tests.harness import HAS
 
 BLOCK = """
 import importlib.abc, importlib.machinery, sys
@@ -94,6 +95,7 @@ def test_mlx_call_without_torch():
         import numpy as np
         import ropepool
         from ropepool import QKNorm, reference, validate_slots
+        from ropepool.backends import paths
 
         gen = np.random.default_rng(0)
         T, Hq, Hkv, D, P = 5, 4, 2, 64, 16
@@ -102,14 +104,16 @@ def test_mlx_call_without_torch():
         pools = [gen.standard_normal((P, Hkv, D)).astype(np.float32) for _ in range(2)]
         w = gen.standard_normal(D).astype(np.float32)
         kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope_base=500000.0)
-        out = ropepool.rope_pool_fused(*(mx.array(a) for a in (q, k, v, pos, slots, *pools)), **kw,
-                                       qk_norm=QKNorm(mx.array(w), mx.array(w)))
+        arrays = [mx.array(a) for a in (q, k, v, pos, slots, *pools)]
+        assert ropepool.backends.pick("mlx", arrays[0]).name == "mlx"
+        with paths.counting() as seen:
+            out = ropepool.rope_pool_fused(*arrays, **kw, qk_norm=QKNorm(mx.array(w), mx.array(w)))
+        assert seen["mlx.compiled"] == 1, f"the call did not run MLX's compiled graph: {dict(seen)}"
         mx.eval(*out)
         ref = reference.rope_pool_fused(q, k, v, pos, slots, *pools, **kw, qk_norm=QKNorm(w, w))
         for got, want in zip(out, ref):
             assert np.abs(np.array(got) - want).max() < 1e-4
         validate_slots(mx.array(slots), P, positions=mx.array(pos))
-        print(ropepool.backends.pick("mlx", None).name)
     """)
 
 
@@ -119,6 +123,10 @@ def test_env_without_torch():
         assert main(["env"]) == 0
     """)
     assert "ropepool" in out and "backends" in out, out
+    said = dict(line.split(maxsplit=2)[::2] for line in out.split("backends (in order of preference):")[1].splitlines()
+                if line.strip() and not line.startswith("LOADED:"))
+    mlx = "ready" if HAS["mlx"] else "mlx is not installed (pip install 'ropepool[mlx]')"
+    assert said == {"triton": "torch is not installed", "torch": "torch is not installed", "mlx": mlx}, out
 
 
 def test_version_from_one_source(capsys):
