@@ -11,14 +11,16 @@ import logging
 import sys
 import types
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: this module tests the torch paths")
 
 import ropepool
+from ropepool import reference
 from ropepool.integrations import vllm as rv
 from tests import vllm_reference as ref
-from tests.harness import assert_same_bits
+from tests.harness import TOL, assert_close, assert_same_bits
 from tests.torch_fixtures import DEVICE, backend, rng  # noqa: F401
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -108,6 +110,17 @@ def check_rotation(name, got, x0, table, positions, is_neox, backend):
     assert not (missed & ~kernel_missed).any(), (
         f"{name}: {int((missed & ~kernel_missed).sum())} elements outside vLLM's tolerances of forward_native "
         "where vLLM's CUDA-kernel formula is inside them")
+
+
+def check_oracle(name, got, x0, table, positions, is_neox):
+    """got (rotated in place, the first n tokens) is ropepool's float64 oracle of x0 from the same table."""
+    n, H, D = got.shape
+    x = x0[:n].cpu().float().numpy()  # exact: every dtype here widens to float32
+    pools = [np.zeros((1, H, D), np.float32)] * 2
+    want = reference.rope_pool_fused(
+        x, x, x, positions[:n].cpu().numpy(), np.full(n, -1), *pools, head_dim=D, num_qo_heads=H, num_kv_heads=H,
+        rope=ropepool.CosSinCache(table.cpu().float().numpy(), is_neox=is_neox))[0]
+    assert_close(f"{name} (the float64 oracle)", got.cpu().float().numpy(), want, TOL[str(got.dtype)[6:]])
 
 
 def interpreter_fp8_slips(got, want, fp8_dtype) -> torch.Tensor:
@@ -422,9 +435,14 @@ def test_register_per_token_head(fake_vllm, monkeypatch, layout, cache_dtype, ba
     q, k, v, positions, table, slots = vllm_inputs(rng, BF16, 64, 64, BF16)
     n = slots.shape[0]
     kv_cache = ref.per_token_head_cache(3, 16, k.shape[1], 64, cache_dtype, layout, fill=0x55).to(DEVICE)
-    want, v0 = kv_cache.cpu(), v.clone()
+    want, q0, k0, v0 = kv_cache.cpu(), q.clone(), k.clone(), v.clone()
     impl.do_rope_and_kv_cache_update(types.SimpleNamespace(_k_scale=None, _v_scale=None), q, k, v, positions, table,
                                      True, kv_cache, slots)
+    for name, x, x0 in (("q", q, q0), ("k", k, k0)):  # the rotation: the oracle's, and vLLM's formula
+        check_oracle(name, x[:n], x0, table, positions, True)
+        check_rotation(name, x[:n], x0, table, positions, True, backend)
+    for name, x, x0 in (("q padding", q[n:], q0[n:]), ("k padding", k[n:], k0[n:]), ("v", v, v0)):
+        assert_same_bits(f"{name} (not touched)", x, x0)
     ref.reshape_and_cache_per_token_head(k[:n].cpu(), v0[:n].cpu(), *ref.per_token_head_views(
         want, 64, cache_dtype, layout), slots.cpu())
     got, wanted = (ref.per_token_head_views(c, 64, cache_dtype, layout) for c in (kv_cache.cpu(), want))
