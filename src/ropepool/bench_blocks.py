@@ -1,0 +1,158 @@
+"""The GPU blocks of the docs: one row per op and geometry, from the H200 records.
+
+A row gives the op's % of a device copy of its bytes at T = 16,384 and 65,536, its µs at T = 1, 16
+and 64 under CUDA-graph replay, and each peer's time over ropepool's across every T where both ran
+(below 1.00x the peer was faster). Each figure is the median of the runs of the newest code that
+measured the cell; see ``bench_records`` for what a cell is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ropepool.bench_records import Records
+from ropepool.bench_summary import block, fmt_num, fmt_pct, sources, span
+
+GPU = "NVIDIA H200"
+LARGE = (16384, 65536)
+SMALL = (1, 16, 64)
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+@dataclass(frozen=True)
+class Op:
+    label: str
+    variant: str
+    geometry: str
+    subject: str = "ropepool"
+    peers: tuple[str, ...] = ()
+
+
+NAMES = {"flashinfer": "FlashInfer", "flashinfer_fused": "FlashInfer fused", "flashinfer_fused_1req":
+         "FlashInfer fused (one request)", "flashinfer_cake": "FlashInfer fused norm", "compiled": "torch.compile",
+         "eager": "eager PyTorch", "vllm": "vLLM native", "rms_norm+ropepool": "rms_norm + ropepool",
+         "ropepool": "the RopeSpec path"}
+PLAIN_PEERS = ("flashinfer", "flashinfer_fused", "flashinfer_fused_1req", "compiled", "eager")
+NORM_PEERS = ("flashinfer_cake", "rms_norm+ropepool", "compiled")
+MLA_PEERS = ("flashinfer", "vllm", "compiled")
+OPS = (
+    Op("plain, Llama-3-8B (32, 8)", "flat", "llama3-8b", peers=PLAIN_PEERS),
+    Op("plain, Llama-70B TP-8 (8, 1)", "flat", "llama70b-tp8", peers=PLAIN_PEERS),
+    Op("plain, (64, 8)", "flat", "h64-kv8", peers=PLAIN_PEERS),
+    Op("engine cos/sin table, Llama-3-8B", "table", "llama3-8b", "ropepool_table", ("flashinfer", "ropepool")),
+    Op("no RoPE (rotary_dim 0), Llama-3-8B", "table", "llama3-8b-nope"),
+    Op("MRoPE, Qwen2.5-VL-7B (28, 4)", "mrope", "qwen2.5-vl-7b", peers=("vllm", "compiled")),
+    Op("MRoPE, Qwen3-VL-8B (32, 8)", "mrope", "qwen3-vl-8b", peers=("vllm", "compiled")),
+    Op("QK-norm, Qwen3-32B TP-8 (8, 1)", "qknorm", "qwen3-32b-tp8", "ropepool_norm", NORM_PEERS),
+    Op("QK-norm, Qwen3-8B (32, 8)", "qknorm", "qwen3-8b", "ropepool_norm", NORM_PEERS),
+    Op("QK-norm, Qwen3-32B (64, 8)", "qknorm", "qwen3-32b", "ropepool_norm", NORM_PEERS),
+    Op("QK-norm, Gemma 3 12B (16, 8, 256)", "qknorm", "gemma3-12b", "ropepool_norm", NORM_PEERS),
+    Op("MLA latent, DeepSeek-V3 (128 heads), bf16", "mla", "dsv3-bf16", peers=MLA_PEERS),
+    Op("MLA latent, DeepSeek-V3 TP-8 (16), bf16", "mla", "dsv3-tp8-bf16", peers=MLA_PEERS),
+    Op("MLA latent, DeepSeek-V3 (128), fp8 cache", "mla", "dsv3-fp8", peers=MLA_PEERS),
+    Op("MLA latent, DeepSeek-V3 TP-8 (16), fp8 cache", "mla", "dsv3-tp8-fp8", peers=MLA_PEERS),
+    Op("fp8 q out + fp8 cache, Llama-3-8B", "fp8q", "llama3-8b", peers=("flashinfer",)),
+    Op("per-token-head int8 cache, Llama-3-8B", "pth", "llama3-8b-int8"),
+    Op("per-token-head fp8 cache, Llama-3-8B", "pth", "llama3-8b-float8_e4m3fn"),
+)
+
+
+def _key(op: Op, provider: str, mode: str, tokens: int) -> dict:
+    return dict(device=GPU, variant=op.variant, geometry=op.geometry, provider=provider, mode=mode, tokens=tokens,
+                dtype="bfloat16")
+
+
+def mode_at(recs: Records, op: Op, tokens: int) -> str | None:
+    """The mode to quote at ``tokens``: the one measured on the newest code; graph replay on a tie."""
+    best = None
+    for mode in ("graph", "eager"):
+        cell = recs.cell(**_key(op, op.subject, mode, tokens))
+        if cell is not None and (best is None or cell.runs[0].record.order > best[1]):
+            best = (mode, cell.runs[0].record.order)
+    return best and best[0]
+
+
+@dataclass
+class Row:
+    op: Op
+    pct: list[str]          # % of copy at LARGE
+    small: list[str]        # µs under graph replay at SMALL
+    peers: list[str]        # "peer a-bx"
+    slower: list[str]       # "peer at T = n (0.97x)": where a peer was faster
+    records: set
+
+
+def row(recs: Records, op: Op) -> Row:
+    used = set()
+    pct = []
+    for t in LARGE:
+        mode = mode_at(recs, op, t)
+        r = mode and recs.ratio(_key(op, "copy", mode, t), _key(op, op.subject, mode, t))
+        pct.append(fmt_pct(r) + (" (eager)" if r and mode == "eager" else ""))
+        used |= set(r.records) if r else set()
+    small = []
+    for t in SMALL:
+        c = recs.cell(**_key(op, op.subject, "graph", t))
+        small.append(fmt_num(c.us) if c else "-")
+        used |= set(c.records) if c else set()
+    peers, slower = [], []
+    for peer in op.peers:
+        xs = []
+        for t in TOKENS:
+            mode = mode_at(recs, op, t)
+            r = mode and recs.ratio(_key(op, peer, mode, t), _key(op, op.subject, mode, t))
+            if r:
+                xs.append(r.median)
+                used |= set(r.records)
+                if r.median < 1 and not peer.startswith("ropepool"):
+                    slower.append(f"{NAMES[peer]} at T = {t:,} ({r.median:.2f}x)")
+        if xs:
+            peers.append(f"{NAMES[peer]} {span(xs, lambda x: f'{x:.2f}')}x")
+    return Row(op, pct, small, peers, slower, used)
+
+
+def _measured(records) -> str:
+    return ", ".join(sorted({f"{r.date} {r.commit or '?'}" + (" †" if r.later else "") for r in records}))
+
+
+def gpu_table(recs: Records) -> tuple[str, set]:
+    lines = ["| op | % of copy, T = 16,384 / 65,536 | µs, T = 1 / 16 / 64 (graph) | peer's time / ropepool's, "
+             "over T | measured (code) |",
+             "| --- | --- | --- | --- | --- |"]
+    used, slower = set(), []
+    for op in OPS:
+        r = row(recs, op)
+        used |= r.records
+        slower += [f"{op.label}: {s}" for s in r.slower]
+        lines.append(f"| {op.label} | {' / '.join(r.pct)} | {' / '.join(r.small)} | {'; '.join(r.peers) or '-'} | "
+                     f"{_measured(r.records)} |")
+    text = "\n".join(lines)
+    text += "\n\nA peer faster than ropepool: " + ("; ".join(slower) if slower else "none") + "."
+    return text, used
+
+
+LEGEND = ("Each figure is the median of the recorded runs of the newest code that measured it (min-max and run "
+          "count where there are several). % of copy: a device-to-device copy of the op's bytes timed in the "
+          "same run, over the op's time, under CUDA-graph replay unless marked eager (back-to-back calls; "
+          "at T = 16,384 a small geometry's eager call can be host-bound). † the code was changed after "
+          "the run (count in the record list).")
+
+
+@block("gpu-summary")
+def gpu_summary(recs: Records) -> str:
+    table, used = gpu_table(recs)
+    return f"{table}\n\n{LEGEND}\n\n{sources(used)}"
+
+
+def host_cost(recs: Records) -> tuple[str, set]:
+    """The eager call's host cost over a bare Triton launch, from the host runs."""
+    xs, used = [], set()
+    for pin in ("CPU 5", "CPU 9", "none"):
+        for t in (1, 16, 64, 256):
+            r = recs.ratio(dict(device=GPU, variant=f"host {pin}", provider="after", tokens=t),
+                           dict(device=GPU, variant=f"host {pin}", provider="bare", tokens=0))
+            if r:
+                xs += r.values
+                used |= set(r.records)
+    if not xs:
+        return "not recorded", used
+    return f"{span(xs, lambda x: f'{x:.2f}')}x", used

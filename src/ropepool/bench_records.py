@@ -1,0 +1,256 @@
+"""The benchmark records under ``docs/bench/``, read as cells of runs.
+
+Every JSON record there is one run of one harness: ``ropepool bench`` / ``benchmarks/bench.py``
+(``rows`` with a ``layout``), ``benchmarks/features.py`` (``rows`` with a ``feature``), the peers
+harness kept outside the repository (``config`` + ``rows`` with ``shape``/``impl``), its Qwen3
+QK-norm anchor (``rows`` with ``shape``, no ``config``), ``ropepool bench --framework mlx``
+(``records``) and the host-cost runs (``host_rows``). Each row becomes a ``Run`` under a ``Key``:
+(device, variant, geometry, provider, mode, tokens, dtype). Records of the same cell join it, so a
+record added later (a new file, never an overwrite) is picked up without any code change.
+
+Which code a record measured: ``env.commit`` where the record carries it, else the commit
+``docs/bench/provenance.json`` gives for it (from its run's docs), else the commit that added the
+file to git; either is mapped to the last commit at or before it that touched the
+device's code paths (``CODE_PATHS``). A cell reports the runs of its newest code (``Cell.runs``);
+runs on older code stay as history (``Cell.history``). ``Record.later`` counts the commits to those
+paths since: a row whose code was changed after it was measured says so.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "docs" / "bench"
+
+# The code each device's figures depend on: a commit touching one of these makes older rows stale.
+_COMMON = ["src/ropepool/api.py", "src/ropepool/plan.py", "src/ropepool/validate.py"]
+CODE_PATHS = {
+    "gpu": ["src/ropepool/backends/triton_kernel.py", "src/ropepool/backends/triton_op.py", *_COMMON],
+    "cpu": ["src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py",
+            "src/ropepool/backends/arraymath.py", "src/ropepool/values.py", *_COMMON],
+    "mlx": ["src/ropepool/backends/mlx.py", "src/ropepool/backends/arraymath.py", "src/ropepool/values.py",
+            *_COMMON],
+}
+
+# Rows that a record holds but that must not be read, with the reason (docs/benchmarks.md says why).
+EXCLUDED = {
+    ("h200-2026-12-03-features.json", "mla"): "measured on MLA code with the output-stride bug, fixed after",
+}
+
+# The peers harness and its anchor name their rows differently from bench.py / features.py.
+_PROVIDER = {"roofline": "copy", "fused_ropepool": "ropepool_norm", "unfused_ropepool": "rms_norm+ropepool",
+             "hand-written": "hand"}
+_MODE = {"loop": "eager"}
+
+
+class Key(NamedTuple):
+    device: str     # "NVIDIA H200", "cpu: <model>, 1 thread", "mlx-cpu: <machine>"
+    variant: str    # pool layout ("flat", "NHD", "fp8") or feature ("table", "qknorm", "mla", ...)
+    geometry: str
+    provider: str   # "ropepool", "copy", "flashinfer", "eager", ...
+    mode: str       # "graph" (CUDA-graph replay) or "eager" (back-to-back calls)
+    tokens: int
+    dtype: str
+
+
+def _git(*args) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+@dataclass(frozen=True)
+class Record:
+    file: str
+    kind: str          # "gpu", "cpu" or "mlx": which CODE_PATHS apply
+    device: str
+    date: str
+    versions: str
+    note: str | None
+    stated_commit: str | None = field(default=None, repr=False)
+
+    @cached_property
+    def commit(self) -> str | None:
+        """The last commit to this device's code at or before the measured (or adding) commit."""
+        at = self.stated_commit
+        if at is None or _git("cat-file", "-e", f"{at}^{{commit}}") is None:
+            at = _git("log", "--diff-filter=A", "--format=%H", "-1", "--", f"docs/bench/{self.file}")
+        if not at:
+            return None
+        return _git("log", "-1", "--format=%h", at, "--", *CODE_PATHS[self.kind]) or None
+
+    @cached_property
+    def order(self) -> int:
+        """How far down the history the measured code lies (more is newer)."""
+        n = _git("rev-list", "--count", self.commit) if self.commit else None
+        return int(n) if n else -1
+
+    @cached_property
+    def later(self) -> int | None:
+        """Commits to this device's code after the measured one (None: unknown)."""
+        if not self.commit:
+            return None
+        n = _git("rev-list", "--count", f"{self.commit}..HEAD", "--", *CODE_PATHS[self.kind])
+        return int(n) if n else None
+
+    def source(self) -> str:
+        """'file (date, code commit)', and how stale the code is."""
+        commit = self.commit or "commit not known"
+        stale = f"; {self.later} later commit{'s' if self.later > 1 else ''} to its code" if self.later else ""
+        return f"`{self.file}` ({self.date}, {commit}{stale})"
+
+
+class Run(NamedTuple):
+    record: Record
+    key: Key
+    us: float
+
+
+def _versions(env, names) -> str:
+    return ", ".join(f"{n} {env[n]}" for n in names if env.get(n))
+
+
+def _provenance(root: Path) -> dict:
+    path = root / "provenance.json"
+    return json.loads(path.read_text())["records"] if path.exists() else {}
+
+
+def _record(path: Path, env, kind, device, names) -> Record:
+    date = env.get("date") or "-".join(path.stem.split("-")[1:4])
+    commit = env.get("commit") or _provenance(path.parent).get(path.name, {}).get("commit")
+    return Record(path.name, kind, device, date, _versions(env, names), env.get("note"), commit)
+
+
+_GPU_VERSIONS = ("torch", "triton", "flashinfer", "python")
+
+
+def _bench_rows(path, d):
+    env = d["env"]
+    cuda = str(env.get("device", "")).startswith("cuda")
+    if cuda:
+        rec = _record(path, env, "gpu", env.get("gpu", "cuda"), _GPU_VERSIONS)
+    else:
+        rec = _record(path, env, "cpu", f"cpu: {env.get('cpu')}, {env.get('threads')} thread(s)",
+                      ("torch", "python", "ropepool"))
+    dtype = env.get("dtype") or "bfloat16"
+    for r in d["rows"]:
+        variant = r.get("feature") or r["layout"]
+        yield rec, Key(rec.device, variant, r["geometry"], r["provider"], r["mode"], r["tokens"], dtype), r["us"]
+
+
+def _peer_rows(path, d):
+    env = dict(d["env"], flashinfer=d["env"].get("flashinfer"))
+    rec = _record(path, env, "gpu", env["gpu"], _GPU_VERSIONS)
+    variant = "flat" if "config" in d else "qknorm"
+    for r in d["rows"]:
+        if isinstance(r.get("check"), dict) and not r["check"].get("pass"):
+            continue
+        prov = _PROVIDER.get(r["impl"], r["impl"])
+        yield rec, Key(rec.device, variant, r["shape"], prov, _MODE.get(r["mode"], r["mode"]), r["T"],
+                       "bfloat16"), r["us"]
+
+
+def _mlx_rows(path, d):
+    env = d["env"]
+    rec = _record(path, env, "mlx", f"mlx-cpu: {env['machine']}", ("mlx", "numpy", "python", "ropepool"))
+    for r in d["records"]:
+        prov = _PROVIDER.get(r["provider"], r["provider"])
+        yield rec, Key(rec.device, f"pool {r['pool_rows']}", r["geometry"], prov, "eager", r["tokens"],
+                       r["dtype"]), r["median_us"]
+
+
+def _host_rows(path, d):
+    env = d["env"]
+    rec = _record(path, env, "gpu", env["gpu"], ("torch", "triton", "python"))
+    for r in d["host_rows"]:
+        yield rec, Key(rec.device, f"host {r['pinned']}", r["geometry"], r["provider"], "eager", r["tokens"],
+                       "bfloat16"), r["us"]
+
+
+def _rows(path: Path):
+    d = json.loads(path.read_text())
+    if "host_rows" in d:
+        return _host_rows(path, d)
+    if "records" in d:
+        return _mlx_rows(path, d)
+    if d["rows"] and "shape" in d["rows"][0]:
+        return _peer_rows(path, d)
+    return _bench_rows(path, d)
+
+
+@dataclass
+class Cell:
+    """The runs of one key: those of the newest code measured, and the older ones as history."""
+    runs: list[Run]
+    history: list[Run]
+
+    @property
+    def us(self) -> float:
+        return statistics.median(r.us for r in self.runs)
+
+    @property
+    def records(self) -> list[Record]:
+        return sorted({r.record for r in self.runs}, key=lambda rec: rec.file)
+
+
+class Records:
+    """Every run under ``docs/bench`` (or ``root``), by key."""
+
+    def __init__(self, root: Path = BENCH):
+        self.root = Path(root)
+        self.by_key: dict[Key, list[Run]] = {}
+        for path in sorted(p for p in self.root.glob("*.json") if p.name != "provenance.json"):
+            for rec, key, us in _rows(path):
+                if (rec.file, key.variant) in EXCLUDED:
+                    continue
+                self.by_key.setdefault(key, []).append(Run(rec, key, us))
+
+    def cell(self, **want) -> Cell | None:
+        """The cell whose key has these fields (``device`` may be a prefix); None if never measured.
+        Several keys match only when a field is left out: their runs join."""
+        device = want.pop("device", "")
+        runs = [r for k, rs in self.by_key.items() if k.device.startswith(device)
+                and all(getattr(k, f) == v for f, v in want.items()) for r in rs]
+        if not runs:
+            return None
+        newest = max(r.record.order for r in runs)
+        return Cell([r for r in runs if r.record.order == newest], [r for r in runs if r.record.order != newest])
+
+    def ratio(self, num: dict, den: dict) -> Ratios | None:
+        """num / den of two cells, paired within each record of the newest code that holds both."""
+        a, b = self.cell(**num), self.cell(**den)
+        if a is None or b is None:
+            return None
+        bs = {}
+        for r in b.runs + b.history:
+            bs.setdefault(r.record, []).append(r.us)
+        pairs = [(r.record, r.us / statistics.median(bs[r.record])) for r in a.runs + a.history if r.record in bs]
+        if not pairs:
+            return None
+        newest = max(rec.order for rec, _ in pairs)
+        return Ratios([(rec, x) for rec, x in pairs if rec.order == newest])
+
+
+@dataclass
+class Ratios:
+    pairs: list[tuple[Record, float]]
+
+    @property
+    def values(self) -> list[float]:
+        return [x for _, x in self.pairs]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def records(self) -> list[Record]:
+        return sorted({rec for rec, _ in self.pairs}, key=lambda rec: rec.file)

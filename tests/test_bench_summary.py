@@ -1,0 +1,133 @@
+"""The published figures are the records' figures.
+
+- Every generated block of README.md, docs/benchmarks.md, docs/benchmarks_features.md and
+  docs/mlx.md is what ``python -m ropepool.bench_summary`` derives from docs/bench/ now.
+- A changed record value, and a record added for a measured cell, change the derived text.
+- Outside the generated blocks, the checked sections (``CHECKED``) hold no number that reads as a
+  measurement: a number followed by µs, us, ms, %, x or tok/s, unless a comparator (>=, <=, at most,
+  at least, within, target) precedes it, which makes it a target, not a figure.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+
+from ropepool import bench_records, bench_summary
+from ropepool.bench_records import ROOT, Records
+
+
+def _git_history() -> bool:
+    return bench_records._git("log", "-1", "--format=%h", "--", "docs/bench") not in (None, "")
+
+
+pytestmark = pytest.mark.skipif(not _git_history(), reason="needs the git history of docs/bench (a clone)")
+
+
+@pytest.fixture(scope="module")
+def recs():
+    return Records()
+
+
+def test_docs_match_records(recs):
+    bad = bench_summary.differing(recs)
+    assert not bad, f"generated blocks differ from the records (run python -m ropepool.bench_summary --write): {bad}"
+
+
+def test_every_block_is_placed(recs):
+    bench_summary._load_blocks()
+    text = "".join((ROOT / doc).read_text() for doc in bench_summary.DOCS)
+    placed = {m["name"] for m in bench_summary.MARKER.finditer(text)}
+    assert set(bench_summary.BLOCKS) <= placed, f"registered but in no doc: {set(bench_summary.BLOCKS) - placed}"
+
+
+def _copy_bench(tmp_path):
+    dst = tmp_path / "bench"
+    shutil.copytree(bench_records.BENCH, dst, ignore=shutil.ignore_patterns("*.png", "*.txt"))
+    return dst
+
+
+def _plain_t1(recs, geometry="llama3-8b"):
+    return recs.cell(device="NVIDIA H200", variant="flat", geometry=geometry, provider="ropepool", mode="graph",
+                     tokens=1, dtype="bfloat16")
+
+
+def test_changed_record_is_seen(tmp_path, recs):
+    """A record value changed in a copy of docs/bench makes the README block differ."""
+    dst = _copy_bench(tmp_path)
+    path = dst / "h200-2026-12-04-peers-split.json"
+    d = json.loads(path.read_text())
+    for r in d["rows"]:
+        if (r["shape"], r["impl"], r["mode"], r["T"]) == ("llama3-8b", "ropepool", "graph", 1):
+            r["us"] *= 2
+    path.write_text(json.dumps(d))
+    changed = Records(dst)
+    assert _plain_t1(changed).us == pytest.approx(2 * _plain_t1(recs).us)
+    bad = bench_summary.differing(changed)
+    assert "README.md: readme-performance" in bad
+
+
+def test_new_record_joins_its_cell(tmp_path, recs):
+    """A record added for the same code joins the cell's median; one on newer code replaces it."""
+    dst = _copy_bench(tmp_path)
+    src = json.loads((dst / "h200-2026-12-04-peers-split.json").read_text())
+    old = _plain_t1(recs, "llama70b-tp8")
+    for name, factor in (("h200-2099-01-01-a.json", 1.5), ("h200-2099-01-01-b.json", 2.5)):
+        d = json.loads(json.dumps(src))
+        d["env"]["commit"] = old.runs[0].record.commit
+        for r in d["rows"]:
+            r["us"] *= factor
+        (dst / name).write_text(json.dumps(d))
+    joined = _plain_t1(Records(dst), "llama70b-tp8")
+    assert len(joined.runs) == 3 and joined.us == pytest.approx(1.5 * old.us)
+    head = bench_records._git("rev-parse", "--short", "HEAD")
+    newer = json.loads((dst / "h200-2099-01-01-b.json").read_text())
+    newer["env"]["commit"] = head
+    (dst / "h200-2099-01-01-b.json").write_text(json.dumps(newer))
+    cell = _plain_t1(Records(dst), "llama70b-tp8")
+    if cell.runs[0].record.order <= old.runs[0].record.order:
+        pytest.skip("HEAD has no commit to the GPU code after the record's")
+    assert [r.record.file for r in cell.runs] == ["h200-2099-01-01-b.json"]
+    assert cell.us == pytest.approx(2.5 * old.us)
+    assert len([r for r in cell.history if r.record.order == old.runs[0].record.order]) == 2
+
+
+def test_unknown_block_is_an_error(recs):
+    with pytest.raises(KeyError, match="no block named 'nope'"):
+        bench_summary.render("<!-- summary:nope -->\n<!-- /summary:nope -->", recs)
+
+
+# --- no measured figure in prose ----------------------------------------------------------------
+# (doc, heading of a checked section): the section runs to the next heading of its level or higher.
+CHECKED = (("README.md", "## Performance"), ("docs/benchmarks.md", "## Summary"),
+           ("docs/mlx.md", "## Speed"), ("docs/benchmarks_features.md", "# "))
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(\.\d+)?\s*(µs|us|ms|%|x|tok/s)(?![\w])")
+TARGET = re.compile(r"(>=|<=|≥|≤|at most|at least|within|target|above|below)[^.|]{0,20}$")
+
+
+def _section(text: str, heading: str) -> str:
+    level = len(heading.split(" ")[0])
+    start = text.index(heading + ("" if heading.endswith(" ") else "\n"))
+    end = re.compile(rf"^#{{1,{level}}} ", re.M).search(text, start + len(heading) + 1)
+    return text[start:end.start() if end else len(text)]
+
+
+def measured_figures(text: str) -> list[str]:
+    """Numbers with a unit of measurement outside generated blocks, code and targets."""
+    text = bench_summary.MARKER.sub("", text)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`]*`", "", text)
+    return [m.group(0) for m in FIGURE.finditer(text) if not TARGET.search(text[max(0, m.start() - 40):m.start()])]
+
+
+@pytest.mark.parametrize("doc,heading", CHECKED)
+def test_no_figures_in_prose(doc, heading):
+    found = measured_figures(_section((ROOT / doc).read_text(), heading))
+    assert not found, f"{doc} ({heading}): figures not generated from records: {found}"
+
+
+def test_figure_rule_sees_figures():
+    assert measured_figures("takes 1.3-2.6 µs and 91% of copy, 5.0x at 4,096") == ["2.6 µs", "91%", "5.0x"]
+    assert measured_figures("target: >= 90% of copy, at most 2.6 µs\n`1.5x` ```\n3 µs\n```") == []
