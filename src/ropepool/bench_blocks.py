@@ -134,7 +134,7 @@ LEGEND = ("Each figure is the median of the recorded runs of the newest code tha
           "count where there are several). % of copy: a device-to-device copy of the op's bytes timed in the "
           "same run, over the op's time, under CUDA-graph replay unless marked eager (back-to-back calls; "
           "at T = 16,384 a small geometry's eager call can be host-bound). † the code was changed after "
-          "the run (count in the record list).")
+          "the run (`git log <commit>..HEAD` over the device's code paths lists the changes).")
 
 
 @block("gpu-summary")

@@ -13,7 +13,8 @@ Which code a record measured: ``env.commit`` where the record carries it, else t
 file to git; either is mapped to the last commit at or before it that touched the
 device's code paths (``CODE_PATHS``). A cell reports the runs of its newest code (``Cell.runs``);
 runs on older code stay as history (``Cell.history``). ``Record.later`` counts the commits to those
-paths since: a row whose code was changed after it was measured says so.
+paths since: a row whose code was changed after it was measured says so (†; ``git log
+<commit>..HEAD -- <CODE_PATHS>`` lists the changes).
 """
 from __future__ import annotations
 
@@ -102,9 +103,10 @@ class Record:
         return int(n) if n else None
 
     def source(self) -> str:
-        """'file (date, code commit)', and how stale the code is."""
+        """'file (date, code commit)', and whether that code was changed since."""
         commit = self.commit or "commit not known"
-        stale = f"; {self.later} later commit{'s' if self.later > 1 else ''} to its code" if self.later else ""
+        # Whether, not how often: the text then changes only when a fresh record first goes stale.
+        stale = "; its code changed since †" if self.later else ""
         return f"`{self.file}` ({self.date}, {commit}{stale})"
 
 
