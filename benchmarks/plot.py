@@ -1,5 +1,5 @@
-"""Draw saved benchmark records (``ropepool bench --json``): µs against tokens, and % of copy bandwidth (CUDA)
-or the speed-up over eager (CPU). ``ropepool bench --json`` saves this plot itself; this redraws or merges.
+"""Draw saved benchmark records (``ropepool bench --out``): µs against tokens, and % of copy bandwidth (CUDA)
+or the speed-up over eager (CPU). ``ropepool bench --out`` saves this plot itself; this redraws or merges.
 
     python benchmarks/plot.py records.json [more.json ...] -o docs/benchmarks.png
 """
@@ -11,7 +11,7 @@ from ropepool.bench_report import plot
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("records", nargs="+", help="JSON files written by ropepool bench --json")
+    p.add_argument("records", nargs="+", help="JSON files written by ropepool bench --out")
     p.add_argument("-o", "--out", default="benchmarks.png", help="the PNG to write")
     a = p.parse_args()
     rows, env = [], {}

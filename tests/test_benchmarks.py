@@ -36,8 +36,8 @@ def test_mlx_bench_cli(tmp_path):
     pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'ropepool[mlx]')")
     out = tmp_path / "mlx"
     printed = run("-m", "ropepool.cli", "bench", "--framework", "mlx", "--geometries", "llama70b-tp8", "--dtypes",
-                  "float32", "--tokens", "1,300", "--warmup", "1", "--calls", "3", "--seconds", "1", "--pool-rows",
-                  "512", "--small-pool-rows", "64", "--out", str(out))
+                  "float32", "--tokens", "1,300", "--warmup", "1", "--calls", "3", "--seconds", "1", "--pool-size",
+                  "512", "--small-pool-size", "64", "--out", str(out))
     records = json.loads(out.with_suffix(".json").read_text())
     assert {(r["provider"], r["tokens"]) for r in records["records"]} >= {("ropepool", 1), ("ropepool", 300),
                                                                          ("hand-written", 300)}

@@ -14,7 +14,6 @@ floor. ``benchmarks/bench.py`` runs it; ``ropepool bench`` too.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -358,41 +357,49 @@ def main(argv=None):
     from rich.progress import Progress
 
     from .bench_report import plot, print_table, save_plot
+    from .cli import Parser, alias, count, counts, names_of, out_paths, torch_device
 
     cuda_here = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="ropepool bench", description=__doc__.split("\n")[0])
+    p = Parser(prog="ropepool bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if cuda_here else "cpu", help="torch device (default: cuda if "
                    "available, else cpu)")
-    p.add_argument("--geometries", default=None, help="comma-separated from " + ", ".join(
-        f"{k} ({q} q heads, {kv} KV heads, head_dim {d})" for k, (q, kv, d) in GEOMETRIES.items()) +
-        " (default: all on CUDA, llama3-8b on CPU)")
-    p.add_argument("--tokens", default=None, help="comma-separated tokens per call (default: "
+    p.add_argument("--geometries", type=names_of(GEOMETRIES, all_=True), default=None,
+                   help="comma-separated from " + ", ".join(f"{k} ({q} q heads, {kv} KV heads, head_dim {d})"
+                                                            for k, (q, kv, d) in GEOMETRIES.items()) +
+                   ", or all (default: all on CUDA, llama3-8b on CPU)")
+    p.add_argument("--tokens", type=counts, default=None, help="comma-separated tokens per call (default: "
                    f"{','.join(map(str, TOKENS))} on CUDA, 1,16,256,4096 on CPU)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="dtype of q, k, v and the pools (default bfloat16)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=count, default=None,
                    help="torch CPU threads (default: 1 on CPU, as one decode worker; torch's own on CUDA)")
-    p.add_argument("--pool-size", type=int, default=None, help="rows of each KV pool (default 262144 on CUDA, "
+    p.add_argument("--pool-size", type=count, default=None, help="rows of each KV pool (default 262144 on CUDA, "
                    "65536 on CPU)")
-    p.add_argument("--layouts", default="flat", help="comma-separated: flat, NHD (paged, page_size 16), "
-                   "fp8 (flat float8_e4m3fn pool, scale 0.5)")
-    p.add_argument("--json", default=None, help="write the records to this file, and the plot beside it "
-                   "(same name, .png)")
+    p.add_argument("--layouts", type=names_of(LAYOUTS), default="flat", help="comma-separated from flat, NHD "
+                   "(paged, page_size 16), fp8 (flat float8_e4m3fn pool, scale 0.5)")
+    alias(p, "--json", p.add_argument("--out", default=None, help="write the records to OUT.json and the plot "
+                                      "beside them (OUT.png); OUT may end in .json"))
     a = p.parse_args(argv)
-    device = torch.device(a.device)
+    device = torch_device(p, a.device)
     cuda = device.type == "cuda"
     if a.threads or not cuda:
         torch.set_num_threads(a.threads or 1)
     dtype = getattr(torch, a.dtype)
-    geometries = (a.geometries or (",".join(GEOMETRIES) if cuda else "llama3-8b")).split(",")
-    tokens = [int(x) for x in a.tokens.split(",")] if a.tokens else (TOKENS if cuda else (1, 16, 256, 4096))
+    geometries = a.geometries or (list(GEOMETRIES) if cuda else ["llama3-8b"])
+    tokens = a.tokens or (TOKENS if cuda else (1, 16, 256, 4096))
     pool = a.pool_size or (262144 if cuda else 65536)
-    layouts = a.layouts.split(",")
+    if max(tokens) > pool:
+        p.error(f"argument --tokens: {max(tokens)} tokens per call need a pool of at least as many rows; "
+                f"--pool-size is {pool}")
+    if "NHD" in a.layouts and pool % PAGE_SIZE:
+        p.error(f"argument --pool-size: the NHD layout needs a multiple of its page size {PAGE_SIZE}; got {pool}")
+    layouts = a.layouts
+    json_path, png = out_paths(a.out) if a.out else (None, None)
     env = environment(device, dtype)
 
     def save(rows):
-        if a.json:
-            with open(a.json, "w") as f:
+        if json_path:
+            with open(json_path, "w") as f:
                 json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
     with Progress() as progress:
@@ -407,7 +414,6 @@ def main(argv=None):
                    log=progress.console.print, rotate_bytes=(256 << 20) if cuda else (8 << 20))
         progress.update(task, completed=len(geometries) * len(layouts) * len(tokens), description="done")
     print_table(rows, env)
-    if a.json and rows:
-        png = os.path.splitext(a.json)[0] + ".png"
-        print(f"wrote {a.json}; {save_plot(plot, [asdict(r) for r in rows], env, png)}")
+    if json_path and rows:
+        print(f"wrote {json_path}; {save_plot(plot, [asdict(r) for r in rows], env, png)}")
     return 0

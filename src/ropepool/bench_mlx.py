@@ -13,7 +13,6 @@ that a call costs time in proportion to its tokens, not to the pool.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -208,27 +207,36 @@ def plot(records, env, path):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ropepool bench --framework mlx", description=__doc__.split("\n")[0])
-    p.add_argument("--geometries", default=",".join(GEOMETRIES),
+    from .cli import Parser, alias, count, counts, names_of, out_paths, positive
+
+    p = Parser(prog="ropepool bench --framework mlx", description=__doc__.split("\n")[0])
+    p.add_argument("--geometries", type=names_of(GEOMETRIES, all_=True), default="all",
                    help=f"comma-separated from {', '.join(GEOMETRIES)} (q heads, KV heads, head_dim: "
-                        f"{', '.join(f'{k}={v}' for k, v in GEOMETRIES.items())})")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated from bfloat16, float32")
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per call")
-    p.add_argument("--pool-rows", type=int, default=65536, help="rows (slots) of each KV pool")
-    p.add_argument("--small-pool-rows", type=int, default=1024,
-                   help="rows of the small pool timed at T = 1 beside the large one (0: skip)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls of each provider before timing")
-    p.add_argument("--calls", type=int, default=200, help="timed calls of each provider, at most")
-    p.add_argument("--seconds", type=float, default=20.0,
+                        f"{', '.join(f'{k}={v}' for k, v in GEOMETRIES.items())}), or all (the default)")
+    alias(p, "--dtype", p.add_argument("--dtypes", type=names_of(DTYPES), default=",".join(DTYPES),
+                                       help="comma-separated from bfloat16, float32"))
+    p.add_argument("--tokens", type=counts, default=",".join(map(str, TOKENS)), help="comma-separated tokens per call")
+    alias(p, "--pool-rows", p.add_argument("--pool-size", dest="pool_rows", metavar="N", type=count, default=65536,
+                                           help="rows (slots) of each KV pool"))
+    alias(p, "--small-pool-rows", p.add_argument(
+        "--small-pool-size", dest="small_pool_rows", metavar="N", type=lambda t: count(t, 0), default=1024,
+        help="rows of the small pool timed at T = 1 beside the large one (0: skip)"))
+    p.add_argument("--warmup", type=lambda t: count(t, 0), default=5,
+                   help="untimed calls of each provider before timing")
+    p.add_argument("--calls", type=count, default=200, help="timed calls of each provider, at most")
+    p.add_argument("--seconds", type=positive, default=20.0,
                    help="stop timing a cell after this long (at least 5 calls each)")
-    p.add_argument("--out", default=None,
-                   help="write OUT.json (records, machine, versions) and OUT.png (the plot); default: print only")
+    alias(p, "--json", p.add_argument("--out", default=None, help="write the records to OUT.json and the plot "
+                                      "beside them (OUT.png); OUT may end in .json; default: print only"))
     a = p.parse_args(argv)
+    if max(a.tokens) > a.pool_rows:
+        p.error(f"argument --tokens: {max(a.tokens)} tokens per call need a pool of at least as many rows; "
+                f"--pool-size is {a.pool_rows}")
+    json_path, png = out_paths(a.out) if a.out else (None, None)
     from rich.progress import Progress
 
     env = environment()
-    cells = [(g, d, int(T)) for g in a.geometries.split(",") for d in a.dtypes.split(",")
-             for T in a.tokens.split(",")]
+    cells = [(g, d, T) for g in a.geometries for d in a.dtypes for T in a.tokens]
     gen, records = np.random.default_rng(0), []
     with Progress() as progress:
         task = progress.add_task("benchmarking", total=len(cells))
@@ -236,11 +244,11 @@ def main(argv=None) -> int:
             progress.update(task, description=f"{g} {d} T={T}")
             records += measure_cell(g, d, T, a.pool_rows, a.small_pool_rows, a.warmup, a.calls, a.seconds, gen)
             progress.advance(task)
-            if a.out:
-                with open(a.out + ".json", "w") as f:
+            if json_path:
+                with open(json_path, "w") as f:
                     json.dump({"env": env, "records": records, "summary": summary(records)}, f, indent=1)
     rows = summary(records)
     print_table(rows, env)
-    if a.out:
-        print(f"wrote {a.out}.json; {save_plot(plot, records, env, a.out + '.png')}")
+    if json_path:
+        print(f"wrote {json_path}; {save_plot(plot, records, env, png)}")
     return 0 if all(r["ok"] for r in rows) else 1

@@ -1,9 +1,103 @@
-"""``ropepool demo | bench | env``."""
+"""``ropepool demo | bench | env``, and the argument types the commands share.
+
+Every mistake on the command line ends in one line on stderr naming the
+option and its valid values (exit status 2), never a traceback: the parsers
+are ``Parser``, list and number options are parsed by the types below, and a
+missing framework is reported before the command's module is imported.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+# (command, framework) -> (modules it imports, the extra that installs them)
+NEEDS = {("demo", "torch"): (("torch", "transformers", "rich"), "hf"),
+         ("bench", "torch"): (("torch", "rich"), "torch,bench"),
+         ("demo", "mlx"): (("mlx.core", "mlx_lm"), "mlx-lm"),
+         ("bench", "mlx"): (("mlx.core", "rich"), "mlx,bench")}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``prog: error: argument --x: ...``), without the usage block."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments"):
+            message += f" ({self.prog} --help lists the options)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def alias(parser, flag, of):
+    """Accept ``flag`` as an older spelling of the option ``of`` (its action), not shown in --help."""
+    parser.add_argument(flag, dest=of.dest, type=of.type, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def names_of(valid, all_=False):
+    """Type of a comma-separated option: names from ``valid`` (with ``all_``, "all" means every one)."""
+    def parse(text):
+        names = list(valid) if all_ and text == "all" else text.split(",")
+        bad = [n for n in names if n not in valid]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; valid: comma-separated from "
+                                             f"{', '.join(valid)}{' (or all)' if all_ else ''}")
+        return names
+    return parse
+
+
+def count(text, least=1):
+    """Type of a whole-number option: an int >= ``least``."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or n < least:
+        raise argparse.ArgumentTypeError(f"expected an int >= {least}; got {text!r}")
+    return n
+
+
+def counts(text):
+    """Type of a comma-separated list of ints >= 1 (token counts)."""
+    try:
+        return [count(t) for t in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1 (e.g. 1,16,256); got {text!r}") \
+            from None
+
+
+def positive(text):
+    """Type of a float option > 0 (seconds)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = None
+    if x is None or not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0; got {text!r}")
+    return x
+
+
+def torch_device(parser, text):
+    """``text`` as a torch.device this machine has (else a one-line parser error naming the ones it has)."""
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        dev = None
+    if dev is not None and (dev.type == "cpu" or dev.type == "cuda" and (dev.index or 0) < cuda or
+                            dev.type == "mps" and mps):
+        return dev
+    here = ["cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(cuda)] if cuda else []) + (["mps"] if mps else [])
+    build = "" if torch.version.cuda else ", a CPU build"
+    parser.error(f"argument --device: {text!r} is not a device of this machine (torch {torch.__version__}{build}); "
+                 f"valid here: {', '.join(here)}")
+
+
+def out_paths(out):
+    """``--out``'s files: the records (OUT.json) and the plot beside them (OUT.png); OUT may end in .json."""
+    stem = out[:-5] if out.endswith(".json") else out
+    return stem + ".json", stem + ".png"
 
 
 def env_report() -> int:
@@ -34,21 +128,36 @@ def env_report() -> int:
     return 0
 
 
-def _framework(args: list) -> tuple:
-    """(whether ``--framework mlx`` is among ``args``, the other args): MLX's demo and bench are their own
-    modules, which import neither torch nor transformers."""
-    p = argparse.ArgumentParser(add_help=False)
+def _framework(cmd: str, args: list) -> tuple:
+    """(the framework ``--framework`` names, the other args): MLX's demo and bench are their own modules,
+    which import neither torch nor transformers."""
+    p = Parser(prog=f"ropepool {cmd}", add_help=False)
     p.add_argument("--framework", choices=("torch", "mlx"), default="torch")
     a, rest = p.parse_known_args(args)
-    return a.framework == "mlx", rest
+    return a.framework, rest
+
+
+def _missing(cmd: str, framework: str) -> str | None:
+    """The one line to print when a module ``cmd`` needs under ``framework`` cannot be imported, else None."""
+    modules, extra = NEEDS[cmd, framework]
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            mlx = " --framework mlx" if framework == "mlx" else ""
+            other = f" (with MLX and no torch: ropepool {cmd} --framework mlx)" if name == "torch" else ""
+            return (f"ropepool {cmd}{mlx}: error: {name} cannot be imported ({why}). Fix: pip install "
+                    f"'ropepool[{extra}]'{other}")
+    return None
 
 
 def main(argv=None) -> int:
     from ._version import __version__
 
-    p = argparse.ArgumentParser(prog="ropepool", description="RoPE + KV-pool write, fused.")
+    p = Parser(prog="ropepool", description="RoPE + KV-pool write, fused.")
     p.add_argument("--version", action="version", version=f"ropepool {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,bench,env}")
     sub.add_parser("demo", help="run transformers' continuous batching with and without ropepool: tokens/s and "
                                  "whether the tokens match (--framework mlx: mlx-lm's models)", add_help=False)
     sub.add_parser("bench", help="time ropepool beside eager PyTorch, torch.compile and a copy (--framework mlx: "
@@ -56,8 +165,14 @@ def main(argv=None) -> int:
     sub.add_parser("env", help="versions, devices and which backend would run")
     a, rest = p.parse_known_args(argv)
     if a.cmd in ("demo", "bench"):  # demo.py / demo_mlx.py, bench.py / bench_mlx.py
-        mlx, rest = _framework(rest)
-        return importlib.import_module(f".{a.cmd}{'_mlx' if mlx else ''}", __package__).main(rest)
+        framework, rest = _framework(a.cmd, rest)
+        missing = _missing(a.cmd, framework)
+        if missing:
+            print(missing, file=sys.stderr)
+            return 2
+        return importlib.import_module(f".{a.cmd}{'_mlx' if framework == 'mlx' else ''}", __package__).main(rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)} (ropepool env takes none)")
     return env_report()
 
 

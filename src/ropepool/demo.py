@@ -18,7 +18,6 @@ log-probabilities only while both runs saw the same tokens.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import sys
@@ -197,24 +196,23 @@ def render(results: list, device: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ropepool demo", description="Run small models of each family through "
-                                "transformers' own continuous batching, as shipped and with ropepool enabled; "
-                                "print tokens/s for both and whether the tokens match.")
-    p.add_argument("--model", choices=FAMILIES + ("all",), default="all", help="model family (default: all)")
+    import torch
+
+    from .cli import Parser, alias, count, names_of, torch_device
+
+    p = Parser(prog="ropepool demo", description="Run small models of each family through transformers' own "
+               "continuous batching, as shipped and with ropepool enabled; print tokens/s for both and whether "
+               "the tokens match.")
+    alias(p, "--model", p.add_argument("--families", type=names_of(FAMILIES, all_=True), default="all",
+                                       help=f"comma-separated from {', '.join(FAMILIES)}, or all (the default)"))
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=tuple(LOGPROB_TOL), default="float32",
                    help="model dtype (default float32, where the tokens must be identical)")
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens to generate per request (default 16)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--new-tokens", type=count, default=16, help="tokens to generate per request (default 16)")
+    p.add_argument("--repeats", type=count, default=3,
                    help="runs of each path, alternating; tokens/s is the fastest run's (default 3)")
     a = p.parse_args(argv)
-    try:
-        import torch
-
-        from .integrations import transformers as _  # noqa: F401  (fails early without the extra)
-    except ImportError as e:
-        print(f"ropepool demo needs torch and transformers: pip install 'ropepool[hf]' ({e})", file=sys.stderr)
-        return 2
+    device = torch_device(p, a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from rich.console import Console
     from rich.progress import Progress
 
@@ -222,11 +220,10 @@ def main(argv=None) -> int:
     # (a failed request's traceback) still show.
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     console = Console(width=None if sys.stdout.isatty() else 120)  # piped (CI logs): wide enough for the table
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     results = []
     try:
         with Progress(console=console, transient=False) as progress:
-            for family in FAMILIES if a.model == "all" else (a.model,):
+            for family in a.families:
                 task = progress.add_task(f"{family}: requests", total=2 * a.repeats * len(PROMPT_LENGTHS))
                 results.append(compare(family, device=device, dtype=getattr(torch, a.dtype),
                                        new_tokens=a.new_tokens, repeats=a.repeats,

@@ -13,7 +13,6 @@ may part at a near-tie, which is reported, not failed).
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 _BASE = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
@@ -74,10 +73,13 @@ def run_family(family: str, dtype, new_tokens: int, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ropepool demo --framework mlx", description=__doc__.split("\n")[0])
-    p.add_argument("--families", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    from .cli import Parser, alias, count, names_of
+
+    p = Parser(prog="ropepool demo --framework mlx", description=__doc__.split("\n")[0])
+    alias(p, "--model", p.add_argument("--families", type=names_of(tuple(CONFIGS), all_=True), default="all",
+                                       help=f"comma-separated from {', '.join(CONFIGS)}, or all (the default)"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the models' dtype")
-    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per prompt")
+    p.add_argument("--new-tokens", type=count, default=16, help="greedy tokens generated per prompt")
     a = p.parse_args(argv)
     import mlx.core as mx
 
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
     print(f"mlx-lm generate_step (one prompt at a time) vs ropepool slot pools (batched), {a.dtype}, "
           f"{len(PROMPT_LENGTHS)} prompts x {a.new_tokens} tokens, {mx.default_device()}")
     ok = True
-    for family in a.families.split(","):
+    for family in a.families:
         r = run_family(family, dtype, a.new_tokens)
         verdict = "tokens identical" if r["match"] else f"tokens differ from prompt {r['first_mismatch']} on"
         print(f"  {family:<8} mlx-lm {r['mlx_lm_tok_s']:8.1f} tok/s   ropepool {r['ropepool_tok_s']:8.1f} tok/s   "

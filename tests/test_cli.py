@@ -1,0 +1,104 @@
+"""The command line: every mistake ends in one line on stderr naming the option and its valid values
+(exit status 2, no traceback), and the torch and MLX commands share their option names.
+
+Each case runs ``ropepool`` in its own process, as from the shell; a framework is made missing by putting
+None in ``sys.modules`` before the CLI starts (what an import of an uninstalled package raises).
+"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def have(*modules):
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def cli(*args, block=()):
+    code = (f"import sys\nfor m in {list(block)!r}: sys.modules[m] = None\n"
+            f"from ropepool.cli import main\nsys.exit(main({list(args)!r}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+TORCH = pytest.mark.skipif(not have("torch", "rich"), reason="torch is not installed")
+TORCH_CPU = pytest.mark.skipif(not have("torch", "rich") or __import__("torch").cuda.is_available(),
+                               reason="needs torch without CUDA")
+HF = pytest.mark.skipif(not have("torch", "transformers", "rich"), reason="transformers is not installed")
+MLX = pytest.mark.skipif(not have("mlx", "rich"), reason="mlx is not installed")
+
+def case(argv, block, words, marks=()):
+    return pytest.param(argv, block, words, marks=marks, id=" ".join(argv) + "".join(f" without {m}" for m in
+                                                                                     block[:1]))
+
+
+# (argv, modules made missing, words the one line must hold: the option and its valid values)
+MISTAKES = [
+    case(["bench", "--geometries", "foo"], (), ["--geometries", "'foo'", "llama3-8b", "h64-kv8"], marks=TORCH),
+    case(["bench", "--layouts", "HND"], (), ["--layouts", "'HND'", "flat", "NHD", "fp8"], marks=TORCH),
+    case(["bench", "--tokens", "1,x"], (), ["--tokens", "'1,x'", "ints >= 1"], marks=TORCH),
+    case(["bench", "--tokens", "100", "--pool-size", "64"], (), ["--tokens", "--pool-size", "64"],
+                 marks=TORCH),
+    case(["bench", "--dtype", "int8"], (), ["--dtype", "'int8'", "bfloat16", "float32"], marks=TORCH),
+    case(["bench", "--device", "cuda"], (), ["--device", "'cuda'", "CPU build", "valid here: cpu"],
+                 marks=TORCH_CPU),
+    case(["bench", "--device", "gpu0"], (), ["--device", "'gpu0'", "valid here: cpu"], marks=TORCH),
+    case(["bench", "--bogus"], (), ["--bogus", "--help"], marks=TORCH),
+    case(["bench"], ("torch",), ["torch cannot be imported", "ropepool[torch,bench]", "--framework mlx"]),
+    case(["demo"], ("transformers",), ["transformers cannot be imported", "ropepool[hf]"], marks=TORCH),
+    case(["demo", "--families", "llama,foo"], (), ["--families", "'foo'", "llama", "gemma3", "all"],
+                 marks=HF),
+    case(["demo", "--model", "foo"], (), ["--model", "'foo'", "qwen3"], marks=HF),
+    case(["demo", "--device", "cuda"], (), ["--device", "'cuda'", "valid here: cpu"],
+                 marks=[HF, TORCH_CPU]),
+    case(["demo", "--new-tokens", "0"], (), ["--new-tokens", "'0'", "int >= 1"], marks=HF),
+    case(["demo", "--framework", "jax"], (), ["--framework", "'jax'", "torch", "mlx"]),
+    case(["demo", "--framework", "mlx"], ("mlx_lm",), ["mlx_lm cannot be imported", "ropepool[mlx-lm]"]),
+    case(["bench", "--framework", "mlx"], ("mlx", "mlx.core"), ["mlx.core cannot be imported",
+                                                                        "ropepool[mlx,bench]"]),
+    case(["bench", "--framework", "mlx", "--geometries", "h64-kv8"], (),
+                 ["--geometries", "'h64-kv8'", "llama3-8b", "llama70b-tp8"], marks=MLX),
+    case(["bench", "--framework", "mlx", "--dtypes", "float16"], (), ["--dtypes", "bfloat16", "float32"],
+                 marks=MLX),
+    case(["bench", "--framework", "mlx", "--seconds", "-1"], (), ["--seconds", "'-1'", "> 0"], marks=MLX),
+    case(["env", "extra"], (), ["extra", "takes none"]),
+    case(["serve"], (), ["'serve'", "demo", "bench", "env"]),
+]
+
+
+@pytest.mark.parametrize("argv, block, words", MISTAKES)
+def test_mistake_is_one_line(argv, block, words):
+    done = cli(*argv, block=block)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and done.stdout == "", (done.returncode, done.stdout,
+                                                                             done.stderr[-3000:])
+    assert lines[0].startswith("ropepool") and "error: " in lines[0], lines[0]
+    missing = [w for w in words if w not in lines[0]]
+    assert not missing, (missing, lines[0])
+
+
+def options(module):
+    """The options ``module``'s main() lists in --help."""
+    done = subprocess.run([sys.executable, "-c", f"from ropepool.{module} import main; main(['--help'])"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", done.stdout))
+
+
+@pytest.mark.skipif(not have("torch", "rich", "mlx"), reason="needs torch and mlx")
+def test_bench_commands_share_option_names():
+    torch_opts, mlx_opts = options("bench"), options("bench_mlx")
+    assert {"--geometries", "--tokens", "--pool-size", "--out"} <= torch_opts & mlx_opts, (torch_opts, mlx_opts)
+    # the older spellings are accepted (MISTAKES tries --model), not shown
+    assert not {"--json", "--pool-rows", "--model"} & (torch_opts | mlx_opts)
+
+
+@pytest.mark.skipif(not have("torch", "rich"), reason="torch is not installed")
+def test_demo_commands_share_option_names():
+    """demo_mlx's parser needs no mlx (it imports mlx after parsing)."""
+    torch_opts, mlx_opts = options("demo"), options("demo_mlx")
+    assert {"--families", "--dtype", "--new-tokens"} <= torch_opts & mlx_opts, (torch_opts, mlx_opts)
+    assert "--model" not in torch_opts | mlx_opts
