@@ -106,13 +106,13 @@ MROPE = RopeSpec(head_dim=D, mrope_section=(2, 3, 3))
 CASES = [
     # pools: rank and layout
     C("4d-pool-without-layer", pools((LAYERS, P, HKV, D)), ValueError,
-      r"^rope_pool_fused expects pool tensors to be 3-D; got k_pool of shape \[3, 12, 2, 16\] \(4-D\)\. "
+      r"^rope_pool_fused expects pool tensors to be 3-D; got k_pool and v_pool of shape \[3, 12, 2, 16\] \(4-D\)\. "
       r"Fix: pass layer=<index> or index the layer dimension first"),
     C("2d-flattened-pool", pools((P, HKV * D)), ValueError,
-      r"^rope_pool_fused expects pool tensors to be 3-D; got k_pool of shape \[12, 32\] \(2-D\)\. "
+      r"^rope_pool_fused expects pool tensors to be 3-D; got k_pool and v_pool of shape \[12, 32\] \(2-D\)\. "
       r"Fix: reshape to \[pool_size, num_kv_heads, head_dim\]: k_pool\.<view>\(-1, 2, 16\)"),
     C("1xPxHxD-pool", pools((1, P, HKV, D)), ValueError,
-      r"^rope_pool_fused expects pool tensors to be 3-D; got k_pool of shape \[1, 12, 2, 16\] \(4-D\)\. "
+      r"^rope_pool_fused expects pool tensors to be 3-D; got k_pool and v_pool of shape \[1, 12, 2, 16\] \(4-D\)\. "
       r"Fix: squeeze the extra leading dim of size 1 \(k_pool\[0\]"),
     C("5d-pool-without-layer", pools((LAYERS, P, 2, HKV, D)), ValueError,
       r"^rope_pool_fused expects pool tensors to be 3-D; .*\(5-D\).*pass layer=<index> and kv_layout="),
@@ -120,7 +120,7 @@ CASES = [
       r"^rope_pool_fused expects pool tensors to be 3-D; got v_pool of shape \[1, 12, 2, 16\]"),
     C("layer-with-3d-pool", change(layer=0), ValueError,
       r"^rope_pool_fused expects pool tensors to be 4-D with layer= \(a leading layer dim\); got k_pool "
-      r"of shape \[12, 2, 16\]\. Fix: drop layer= for a single-layer pool"),
+      r"and v_pool of shape \[12, 2, 16\] \(3-D\)\. Fix: drop layer= for a single-layer pool"),
     C("layer-past-end", both(pools((LAYERS, P, HKV, D)), change(layer=3)), ValueError,
       r"^layer must be in \[-3, 3\) for a pool of 3 layers; got 3"),
     C("layer-before-start", both(pools((LAYERS, P, HKV, D)), change(layer=-4)), ValueError,
@@ -129,8 +129,8 @@ CASES = [
       r"^layer must be an int; got float"),
     C("kv_layout-unknown", change(kv_layout="nhd"), ValueError, r"^kv_layout must be None, 'NHD' or 'HND'; got 'nhd'"),
     C("kv_layout-with-flat-pool", change(kv_layout="NHD"), ValueError,
-      r"^rope_pool_fused expects pool tensors to be 4-D with kv_layout='NHD'; got k_pool of shape "
-      r"\[12, 2, 16\]\. Fix: drop kv_layout="),
+      r"^rope_pool_fused expects pool tensors to be 4-D with kv_layout='NHD'; got k_pool and v_pool of "
+      r"shape \[12, 2, 16\] \(3-D\)\. Fix: drop kv_layout="),
     C("kv_layout-5d-pool-without-layer", both(pools((LAYERS, 3, 4, HKV, D)), change(kv_layout="HND")), ValueError,
       r"^rope_pool_fused expects pool tensors to be 4-D with kv_layout='HND'; .*pass layer=<index>"),
     C("NHD-wrong-heads", both(pools((3, 4, HKV + 1, D)), change(kv_layout="NHD")), ValueError,
@@ -142,11 +142,12 @@ CASES = [
       r"^k_pool has incompatible shape \[12, 3, 16\]: expected \[pool_size, num_kv_heads, head_dim\] "
       r"with num_kv_heads=2, head_dim=16"),
     C("pool-shapes-differ", change(v_pool=arr(randn(P + 1, HKV, D))), ValueError,
-      r"^v_pool shape must match k_pool shape, got \[13, 2, 16\] vs \[12, 2, 16\]"),
+      r"^v_pool shape must match k_pool shape, got v_pool \[13, 2, 16\] vs k_pool \[12, 2, 16\]"),
     C("pool-dtypes-differ", change(v_pool=arr(randn(P, HKV, D, dtype=NP_DTYPES["float8_e4m3fn"]))), ValueError,
       r"^pool dtypes must match each other; got k_pool float32, v_pool (float8_e4m3fn|uint8)"),
     C("pool-dtype-not-q", pools((P, HKV, D), "float16"), ValueError,
-      r"^pool dtypes must match q/k/v dtype; got k_pool float16, q float32\. Fix: allocate k_pool in q's dtype"),
+      r"^pool dtypes must match q/k/v dtype; got k_pool and v_pool float16, q float32\. "
+      r"Fix: allocate k_pool and v_pool in q's dtype"),
     C("k_pool-is-v_pool", change(v_pool=lambda a, X: a["k_pool"]), ValueError,
       r"^k_pool and v_pool are the same memory", TORCH),
     C("k_pool-and-v_pool-views-of-one-tensor", change(v_pool=lambda a, X: a["k_pool"][:]), ValueError,
@@ -299,7 +300,7 @@ CASES = [
       r"^q_scale is for a float8 q_out tensor; got q_scale without one\. Fix: drop q_scale", "mlx"),
     # per-token-head scale caches
     C("int8-pool-without-scale-caches", pth(), ValueError,
-      r"^an int8 pool needs per-token-head scales; got k_pool int8 without k_scale_cache/v_scale_cache\. "
+      r"^an int8 pool needs per-token-head scales; got k_pool and v_pool int8 without k_scale_cache/v_scale_cache\. "
       r"Fix: pass k_scale_cache= and v_scale_cache=", TORCH),
     C("pth-only-k_scale_cache", pth(k_scale_cache=SCALES), ValueError,
       r"^per-token-head scales need both k_scale_cache and v_scale_cache; got only k_scale_cache", TORCH),
@@ -635,7 +636,7 @@ LATENT_CASES = [
     C("kpe-width", caches((P, RANK), (P, D + 2)), ValueError,
       r"^kpe_cache has incompatible shape \[12, 18\]: expected \[pool_size, rope_dim\]"),
     C("ckv-3d", caches((P, 1, RANK), (P, D)), ValueError,
-      r"^rope_latent_fused expects pool tensors to be 2-D; got ckv_cache of shape \[12, 1, 24\]\. "
+      r"^rope_latent_fused expects pool tensors to be 2-D; got ckv_cache of shape \[12, 1, 24\] \(3-D\)\. "
       r"Fix: pass layer=<index> for a layer-stacked pool"),
     C("paged-with-flat-caches", change(kv_layout="NHD"), ValueError,
       r"^rope_latent_fused expects pool tensors to be 3-D with kv_layout='NHD'; got kpe_cache of shape \[12, 16\]"),

@@ -1,6 +1,7 @@
 """The small checks every part of validation uses: ints, shapes, strides, where an array lives."""
 from __future__ import annotations
 
+import importlib.util
 import numbers
 
 import numpy as np
@@ -31,6 +32,24 @@ def _ints(**values):
 def _reshape(fw) -> str:
     """The call that reshapes without a copy, in the framework's words."""
     return "view" if fw == "torch" else "reshape"
+
+
+def _as_float32(fw, name) -> str:
+    """The cast of ``name`` to float32, in the framework's words."""
+    return {"torch": f"{name}.float()", "mlx": f"{name}.astype(mx.float32)"}.get(fw, f"{name}.astype(np.float32)")
+
+
+def _convert_hint(arrays, frameworks) -> str:
+    """How to make an array of the call's framework: the one its other arrays come from, else each accepted
+    framework installed here (an MLX user without torch is not told to use torch)."""
+    hints = {"torch": "torch.as_tensor(x)", "mlx": "mx.array(x)", "numpy": "np.asarray(x)"}
+    used = [f for f in map(framework_of, arrays) if f in frameworks][:1] or _installed(frameworks)
+    return " or ".join(hints[f] for f in used)
+
+
+def _installed(frameworks) -> list:
+    """Those of ``frameworks`` installed here (all of them if none is)."""
+    return [f for f in frameworks if importlib.util.find_spec(f) is not None] or list(frameworks)
 
 
 def _same_place(name, x, q):

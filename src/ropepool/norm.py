@@ -67,7 +67,10 @@ class QKNorm:
             where = here
         if q_weight is not None and k_weight is not None and q_weight.shape[0] != k_weight.shape[0]:
             raise RopePoolError(f"QKNorm expects q_weight and k_weight of one size (head_dim); got "
-                                f"{q_weight.shape[0]} and {k_weight.shape[0]}. Fix: pass the norms of one layer.")
+                                f"{q_weight.shape[0]} and {k_weight.shape[0]}. Fix: a per-head norm has head_dim "
+                                "weights for q and for k alike; weights of different sizes span all heads (heads x "
+                                "head_dim, as OLMo 2 has them), another op: apply them to the projections before the "
+                                "call, without qk_norm.")
         self.q_weight, self.k_weight = q_weight, k_weight
         self.eps, self.weight_offset, self.after_rope = float(eps), float(weight_offset), bool(after_rope)
 

@@ -10,7 +10,7 @@ import numbers
 
 import numpy as np
 
-from .checks import _is_int, _reshape, _same_place, _shape
+from .checks import _as_float32, _is_int, _reshape, _same_place, _shape
 from .dtypes import FP8_DTYPES, FRAMEWORK_TYPES, MLX_FP8, dtype_name, framework_of, tracing
 from .errors import RopePoolError
 from .layout import KV_LAYOUTS, PoolGeometry, pool_geometry, pool_rank
@@ -30,6 +30,14 @@ def _pool_fix(fw, name, pool, heads, dim) -> str:
     return "pass a [pool_size, num_kv_heads, head_dim] pool"
 
 
+def _each(names, describe) -> str:
+    """'k_pool X and v_pool Y', or 'k_pool and v_pool X' when both are described alike."""
+    said = [describe(n) for n in names]
+    if len(names) == 2 and said[0] == said[1]:
+        return f"{names[0]} and {names[1]} {said[0]}"
+    return " and ".join(f"{n} {d}" for n, d in zip(names, said))
+
+
 def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim, fw, headed=True) -> PoolGeometry:
     """Geometry of the pools (k_pool's; v_pool has the same but rows v_dim wide)."""
     if layer is not None and not _is_int(layer):
@@ -39,13 +47,16 @@ def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim,
                             "Fix: None for [pool_size, heads, dim], 'NHD' for [pages, page_size, heads, dim], "
                             "'HND' for [pages, heads, page_size, dim].")
     want = pool_rank(kv_layout, layer, headed)
-    for name, pool in zip(names, (k_pool, v_pool)):
-        if pool.ndim == want:
-            continue
+    pools = dict(zip(names, (k_pool, v_pool)))
+    wrong = [n for n, pool in pools.items() if pool.ndim != want]
+    if wrong:
+        # Name every pool of the wrong rank (the fix is for the first one; a second of its shape needs the same).
+        name, pool = wrong[0], pools[wrong[0]]
+        got = _each(wrong, lambda n: f"of shape {_shape(pools[n])} ({pools[n].ndim}-D)")
+        likewise = f" (likewise {wrong[1]})" if len(wrong) == 2 else ""
         if kv_layout is None and layer is None and headed:
-            raise RopePoolError(
-                f"rope_pool_fused expects pool tensors to be 3-D; got {name} of shape {_shape(pool)} "
-                f"({pool.ndim}-D). Fix: {_pool_fix(fw, name, pool, heads, dim)}.")
+            raise RopePoolError(f"rope_pool_fused expects pool tensors to be 3-D; got {got}. "
+                                f"Fix: {_pool_fix(fw, name, pool, heads, dim)}{likewise}.")
         where = "" if kv_layout is None else f" with kv_layout={kv_layout!r}"
         stacked = "" if layer is None else " with layer= (a leading layer dim)"
         if pool.ndim == want - 1 and layer is not None:
@@ -56,15 +67,29 @@ def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim,
             fix = "pass layer=<index> for a layer-stacked pool"
         else:
             fix = "pass the pool in the layout named"
-        raise RopePoolError(f"{op} expects pool tensors to be {want}-D{where}{stacked}; got {name} of shape "
-                            f"{_shape(pool)}. Fix: {fix}.")
+        raise RopePoolError(f"{op} expects pool tensors to be {want}-D{where}{stacked}; got {got}. "
+                            f"Fix: {fix}{likewise}.")
     k_geom = pool_geometry(k_pool.shape, layer, kv_layout, headed)
     v_geom = pool_geometry(v_pool.shape, layer, kv_layout, headed)
-    if (k_geom.num_layers, k_geom.num_pages, k_geom.page_size, k_geom.num_heads) != \
-            (v_geom.num_layers, v_geom.num_pages, v_geom.page_size, v_geom.num_heads) or v_geom.dim != v_dim:
-        if headed:
-            raise RopePoolError(f"v_pool shape must match k_pool shape, got {_shape(v_pool)} vs {_shape(k_pool)}. "
-                                "Fix: pass K and V pools of one cache.")
+    k_bad = (k_geom.num_heads, k_geom.dim) != (heads, dim)
+    v_bad = (v_geom.num_heads, v_geom.dim) != (heads, v_dim)
+    if k_bad:  # k_pool's own heads or width first, as the seed checks them: a v_pool equally wrong is no mismatch
+        expect = {None: "[pool_size, num_kv_heads, head_dim]", "NHD": "[num_pages, page_size, num_kv_heads, head_dim]",
+                  "HND": "[num_pages, num_kv_heads, page_size, head_dim]"}[kv_layout]
+        if not headed:
+            expect = expect.replace("num_kv_heads, ", "").replace("head_dim", "rope_dim")
+        also = ""
+        if v_bad and headed:
+            also = (" (v_pool too, of the same shape)" if _shape(v_pool) == _shape(k_pool) else
+                    f" (v_pool's shape {_shape(v_pool)} does not fit either)")
+        raise RopePoolError(
+            f"{names[0]} has incompatible shape {_shape(k_pool)}: expected {expect} with num_kv_heads={heads}, "
+            f"head_dim={dim}{also}. Fix: pass the pool of this layer's KV heads (or the matching kv_layout).")
+    if v_bad or (k_geom.num_layers, k_geom.num_pages, k_geom.page_size) != \
+            (v_geom.num_layers, v_geom.num_pages, v_geom.page_size):
+        if headed:  # k_pool fits, so the shapes differ
+            raise RopePoolError(f"v_pool shape must match k_pool shape, got v_pool {_shape(v_pool)} vs k_pool "
+                                f"{_shape(k_pool)}. Fix: pass K and V pools of one cache.")
         raise RopePoolError(f"ckv_cache must have kpe_cache's slots and kv_lora_rank ({v_dim}) features; got "
                             f"ckv_cache {_shape(v_pool)}, kpe_cache {_shape(k_pool)}. Fix: pass the two column "
                             "views of one latent cache (cache[..., :kv_lora_rank], cache[..., kv_lora_rank:]).")
@@ -74,14 +99,6 @@ def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim,
             raise RopePoolError(f"layer must be in [{-n}, {n}) for a pool of {n} layers; got {layer}. "
                                 "Fix: pass a layer index of this pool.")
         k_geom = pool_geometry(k_pool.shape, int(layer) % n, kv_layout, headed)
-    if (k_geom.num_heads, k_geom.dim) != (heads, dim):
-        expect = {None: "[pool_size, num_kv_heads, head_dim]", "NHD": "[num_pages, page_size, num_kv_heads, head_dim]",
-                  "HND": "[num_pages, num_kv_heads, page_size, head_dim]"}[kv_layout]
-        if not headed:
-            expect = expect.replace("num_kv_heads, ", "").replace("head_dim", "rope_dim")
-        raise RopePoolError(
-            f"{names[0]} has incompatible shape {_shape(k_pool)}: expected {expect} with num_kv_heads={heads}, "
-            f"head_dim={dim}. Fix: pass the pool of this layer's KV heads (or the matching kv_layout).")
     return k_geom
 
 
@@ -92,16 +109,18 @@ def _check_pool_dtypes(names, k_pool, v_pool, dt, fw, per_token_head=None) -> st
     fp8_names = MLX_FP8 if fw == "mlx" else {n: n for n in FP8_DTYPES}
     if per_token_head:
         fp8_names = {**fp8_names, "int8": "int8"}
-    for name, pool in zip(names, (k_pool, v_pool)):
-        pdt = dtype_name(pool)
-        if pdt == "int8" and per_token_head is False:
-            raise RopePoolError(f"an int8 pool needs per-token-head scales; got {name} int8 without k_scale_cache/"
-                                "v_scale_cache. Fix: pass k_scale_cache= and v_scale_cache= (float32, shaped like "
-                                "the pool without its last dim), or allocate the pool in q's dtype.")
-        if pdt != dt and pdt not in fp8_names:
-            fp8 = "uint8 (e4m3, as mx.to_fp8 stores it)" if fw == "mlx" else "float8_e4m3fn / float8_e5m2"
-            raise RopePoolError(f"pool dtypes must match q/k/v dtype; got {name} {pdt}, q {dt}. Fix: allocate "
-                                f"{name} in q's dtype, or as {fp8} with scales.")
+    pools = dict(zip(names, (k_pool, v_pool)))
+    int8 = [n for n, pool in pools.items() if dtype_name(pool) == "int8"]
+    if int8 and per_token_head is False:
+        raise RopePoolError(f"an int8 pool needs per-token-head scales; got {_each(int8, lambda n: 'int8')} without "
+                            "k_scale_cache/v_scale_cache. Fix: pass k_scale_cache= and v_scale_cache= (float32, "
+                            "shaped like the pool without its last dim), or allocate the pool in q's dtype.")
+    wrong = [n for n, pool in pools.items() if dtype_name(pool) != dt and dtype_name(pool) not in fp8_names]
+    if wrong:
+        fp8 = "uint8 (e4m3, as mx.to_fp8 stores it)" if fw == "mlx" else "float8_e4m3fn / float8_e5m2"
+        raise RopePoolError(f"pool dtypes must match q/k/v dtype; got "
+                            f"{_each(wrong, lambda n: dtype_name(pools[n]))}, q {dt}. Fix: allocate "
+                            f"{' and '.join(wrong)} in q's dtype, or as {fp8} with scales.")
     if dtype_name(k_pool) != dtype_name(v_pool):
         raise RopePoolError(f"pool dtypes must match each other; got {names[0]} {dtype_name(k_pool)}, {names[1]} "
                             f"{dtype_name(v_pool)}. Fix: allocate both pools with one dtype.")
@@ -141,7 +160,8 @@ def _check_scale(name, s, q, per_head):
                         "Fix: pass float(scale) or a tensor of shape [1].")
     _same_place(name, s, q)
     if dtype_name(s) != "float32":
-        raise RopePoolError(f"{name} as a tensor must be float32; got {dtype_name(s)}. Fix: {name}.float().")
+        raise RopePoolError(f"{name} as a tensor must be float32; got {dtype_name(s)}. "
+                            f"Fix: {_as_float32(framework_of(s), name)}.")
     # On the CPU the value costs no device sync: check it like a float's.
     if framework_of(s) == "numpy" or (framework_of(s) == "torch" and s.device.type == "cpu" and not tracing("torch")):
         vals = np.asarray(s, dtype=np.float64).reshape(-1)

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .checks import _as_float32
 from .dtypes import FLOAT_DTYPES, dtype_name, framework_of
 from .errors import RopePoolError
 from .scaling import ROPE_TYPES, _longrope_inv_freq, _original_max
@@ -257,7 +258,7 @@ class CosSinCache:
                                 "half), e.g. vLLM's rotary_emb.cos_sin_cache.")
         if dtype_name(cos_sin_cache) not in FLOAT_DTYPES:
             raise RopePoolError(f"CosSinCache expects a float32, float16 or bfloat16 table; got "
-                                f"{dtype_name(cos_sin_cache)}. Fix: cos_sin_cache.float().")
+                                f"{dtype_name(cos_sin_cache)}. Fix: {_as_float32(fw, 'cos_sin_cache')}.")
         if fw == "torch" and cos_sin_cache.stride(-1) != 1:
             raise RopePoolError(f"CosSinCache expects a table whose last dim is contiguous; got strides "
                                 f"{list(cos_sin_cache.stride())}. Fix: cos_sin_cache.contiguous().")

@@ -14,7 +14,7 @@ import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .checks import _check_strides, _ints, _reshape, _same_place, _shape
+from .checks import _check_strides, _convert_hint, _installed, _ints, _reshape, _same_place, _shape
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, dtype_name, framework_of, tracing
 from .errors import RopePoolError
 from .layout import PoolGeometry
@@ -207,9 +207,9 @@ def _check_types(op, names, arrays, frameworks) -> str:
     for name, x in zip(names, arrays):
         fw = framework_of(x)
         if fw not in frameworks:
-            allowed = " or ".join(FRAMEWORK_TYPES[f] for f in frameworks)
+            allowed = " or ".join(FRAMEWORK_TYPES[f] for f in _installed(frameworks))
             given = type(x).__module__ + "." + type(x).__name__ if fw is None else FRAMEWORK_TYPES[fw]
-            hint = {"torch": "torch.as_tensor(x)", "mlx": "mx.array(x)", "numpy": "np.asarray(x)"}[frameworks[0]]
+            hint = _convert_hint(arrays, frameworks)
             raise TypeError(f"{op} expects {name} to be a {allowed}; got {given}. Fix: convert it, e.g. {hint}.")
         if found is None:
             found = (name, fw)

@@ -50,7 +50,8 @@ def check_values(positions, slots, pool_size: int, max_position: int | None = No
                             f"positions[{_index(t)}] = {int(pos[t])}. "
                             "Fix: build the table for the longest context served.")
     if pos.size and pos.max() > _PRECISE_POSITIONS:
-        warnings.warn(f"positions above 2^24 ({int(pos.max())}): float32 no longer holds every position exactly, "
+        warnings.warn(f"positions above 2^24 = {_PRECISE_POSITIONS} (the largest given: {int(pos.max())}): "
+                      "float32 no longer holds every position exactly, "
                       "so RoPE's precision promise ends there (docs/precision.md).", RuntimeWarning, stacklevel=3)
     used = slt[slt >= 0]
     if used.size and used.max() >= pool_size:
