@@ -20,6 +20,7 @@ import pytest
 import ropepool
 from ropepool import CosSinCache, QKNorm, RopeSpec, plan
 from tests.harness import NP_DTYPES, Backend, assert_same_bits, backend_for, cos_sin_table
+from tests.params import framework, on_backends
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "ropepool"
@@ -89,6 +90,11 @@ def torch_(expr):
 
         return expr(torch, a)
     return make
+
+
+def on_its_frameworks(argnames, cases):
+    """Each case (``only`` its 4th value) on the backends of its framework, as the X fixture."""
+    return on_backends(argnames, cases, can=lambda b, *case: case[3] in (None, framework(b)), fixture="X")
 
 
 def C(id, bad, exc, match, only=None, marks=(), prime=True):
@@ -377,10 +383,8 @@ def check_rejected(X, args, make_bad, exc, match, op=ropepool.rope_pool_fused, n
         assert_same_bits(f"{name} after a rejected call", X.numpy(x), before)
 
 
-@pytest.mark.parametrize("make_bad,exc,match,only,prime", CASES)
+@on_its_frameworks("make_bad,exc,match,only,prime", CASES)
 def test_rejected_before_any_write(make_bad, exc, match, only, prime, X):
-    if only is not None and X.framework != only:
-        pytest.skip(f"a case for {only} arrays")
     args = dict(valid_call(X), backend=X.name)
     if prime:  # an empty valid call of this layout first: what it leaves cached must not let the bad call through
         call(dict(args, **{n: args[n][:0] for n in ARRAYS[:5]}))
@@ -587,10 +591,8 @@ CONSTRUCTORS = [
 ]
 
 
-@pytest.mark.parametrize("make,exc,match,only,prime", CONSTRUCTORS)
+@on_its_frameworks("make,exc,match,only,prime", CONSTRUCTORS)
 def test_constructor_rejects(make, exc, match, only, prime, X):
-    if only is not None and X.framework != only:
-        pytest.skip(f"a case for {only} arrays")
     with pytest.raises(exc, match=match) as info:
         make(X)
     assert "Fix:" in str(info.value) and documented_pattern(str(info.value)), str(info.value)
@@ -663,10 +665,8 @@ LATENT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("make_bad,exc,match,only,prime", LATENT_CASES)
+@on_its_frameworks("make_bad,exc,match,only,prime", LATENT_CASES)
 def test_latent_rejected_before_any_write(make_bad, exc, match, only, prime, X):
-    if only is not None and X.framework != only:
-        pytest.skip(f"a case for {only} arrays")
     args = dict(valid_latent(X), backend=X.name)
     if prime:
         call(dict(args, **{n: args[n][:0] for n in LATENT[:5]}), ropepool.rope_latent_fused, LATENT)

@@ -33,6 +33,7 @@ from tests.harness import (
     run_checked,
     run_latent_checked,
 )
+from tests.params import mlx_has, on_backends, on_torch
 
 
 def qkv(rng, T, Hq, Hkv, D, dtype, scale=1.0):
@@ -218,8 +219,8 @@ def test_heads_that_do_not_divide(backend, Hq, Hkv, rng):
 
 # --- fp8 scales and outputs -------------------------------------------------------------------
 
-@pytest.mark.parametrize("fp8,kind", [("float8_e4m3fn", "k-and-v"), ("float8_e5m2", "k-and-v"),
-                                      ("float8_e4m3fn", "k-only")])
+@on_backends("fp8,kind", [("float8_e4m3fn", "k-and-v"), ("float8_e5m2", "k-and-v"), ("float8_e4m3fn", "k-only")],
+             can=lambda b, fp8, kind: mlx_has(b, fp8))
 def test_per_head_scales(backend, fp8, kind, rng, request):
     """k_scale / v_scale as [num_kv_heads] float32: each head divided by its own scale (k-only: v_scale
     a float beside them)."""
@@ -230,14 +231,13 @@ def test_per_head_scales(backend, fp8, kind, rng, request):
 
 
 @pytest.mark.parametrize("which", ["q", "k", "both-e5m2", "both-tensor-scales"])
+@on_torch  # q_out / k_out are torch tensors
 def test_fp8_outputs(backend, which, rng):
     """fp8 q_out / k_out receive x_rot / scale, saturated, rounded once from float32 (torch tensors only).
 
     Compared with the oracle's quantize exactly, except where the float32
     value's error bound crosses a rounding boundary (harness.check_fp8); under
     the Triton interpreter its fp8 conversion bug is allowed (triton#8322)."""
-    if backend.framework != "torch":
-        pytest.skip("q_out / k_out are torch tensors")
     import torch
 
     fp8 = "float8_e5m2" if which == "both-e5m2" else "float8_e4m3fn"
@@ -299,11 +299,10 @@ def test_latent(backend, name, rng, request):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@on_torch  # column views to write through are torch's
 def test_latent_vllm_combined_row(backend, fp8, rng):
     """vLLM's one cache of [..., kv_lora_rank + rope_dim] rows, passed as two column views (torch);
     q_pe_out=q_pe rotates q_pe in place."""
-    if backend.framework != "torch":
-        pytest.skip("column views to write through are torch's")
     T, P, ps = 6, 32, 8
     cdt = "float8_e4m3fn" if fp8 else "bfloat16"
     slots = make_slots(rng, T, P)

@@ -23,7 +23,7 @@ What is checked, per call (tests.harness.run_checked):
   float32 to fp8 wrongly (triton-lang/triton#8322). On a GPU, exact.
 
 MLX has no float8 dtype: its fp8 pools are uint8 arrays holding e4m3 (as
-``mx.to_fp8`` stores them); e5m2 cases skip there.
+``mx.to_fp8`` stores them); e5m2 cases are not generated there (tests/params.py).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from tests.harness import Cache, crossed, make_cache, make_positions, make_slots, poison, randn, run_checked
+from tests.params import mlx_has, on_backends, on_torch
 
 T, HQ, HKV, D = 6, 3, 2, 32
 NUM_LAYERS = 3
@@ -113,8 +114,6 @@ KV_RECIPES = {
 
 
 def kv_recipe(backend, rng, name, num_slots, ps, dtype, slots):
-    if backend.framework != "torch":
-        pytest.skip("MLX arrays have no views to write through: a pool there is its own array")
     shape, views, kv_layout, layer = KV_RECIPES[name]
     base = randn(rng, *shape(num_slots // ps, ps), dtype=dtype, scale=4.0 if dtype.startswith("float8") else 1.0)
     return poison(Cache([base], kv_layout, ps, layer, lambda o: views(o[0])), slots)
@@ -122,6 +121,7 @@ def kv_recipe(backend, rng, name, num_slots, ps, dtype, slots):
 
 @pytest.mark.parametrize("recipe", list(KV_RECIPES))
 @pytest.mark.parametrize("ps", [1, 16], ids=["ps1", "ps16"])
+@on_torch  # MLX arrays have no views to write through: a pool there is its own array
 def test_combined_kv_tensor(backend, recipe, ps, rng):
     """k_pool / v_pool are views of one tensor: the writes land in it, at exactly the expected places."""
     slots = make_slots(rng, T, 64, skip_every=4)
@@ -133,6 +133,7 @@ def test_combined_kv_tensor(backend, recipe, ps, rng):
 
 
 @pytest.mark.parametrize("recipe", ["vllm", "flashinfer-HND-layers"])
+@on_torch
 def test_combined_kv_tensor_fp8(backend, recipe, rng):
     """vLLM's fp8 cache: one float8_e4m3fn tensor, scales as one-element float32 tensors."""
     slots = make_slots(rng, T, 64, skip_every=4)
@@ -158,7 +159,7 @@ FP8_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,fp8,scale_kind", FP8_CASES)
+@on_backends("dtype,fp8,scale_kind", FP8_CASES, can=lambda b, dtype, fp8, kind: mlx_has(b, fp8))
 def test_fp8_matches_oracle(backend, dtype, fp8, scale_kind, rng):
     """stored = value / scale, rounded; q_rot / k_rot stay in q's dtype."""
     slots = make_slots(rng, T, 64, skip_every=4)
@@ -182,7 +183,7 @@ def test_fp8_layouts(backend, name, rng):
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 
-@pytest.mark.parametrize("dtype,fp8,scale_kind", FP8_CASES[:4])
+@on_backends("dtype,fp8,scale_kind", FP8_CASES[:4], can=lambda b, dtype, fp8, kind: mlx_has(b, fp8))
 def test_fp8_saturates(backend, dtype, fp8, scale_kind, rng):
     """Values far past the format's range store +-max finite (448 / 57344), never NaN or inf."""
     scale, top = 2.0**-6, FP8_MAX[fp8]

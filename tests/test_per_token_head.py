@@ -32,6 +32,7 @@ from tests.harness import NP_DTYPES, ROUNDING, TOL, assert_close, assert_same_bi
 
 torch = pytest.importorskip("torch")
 ref = pytest.importorskip("tests.vllm_reference")
+from tests.params import on_torch  # noqa: E402
 from tests.test_vllm import interpreter_fp8_slips  # noqa: E402  (after the skip without torch)
 
 # name: (kv_layout, page_size, layers, layer, pool dtype, q dtype, rotary_dim or None)
@@ -65,9 +66,8 @@ def step_bound(dtype, ratio):
 
 
 @pytest.mark.parametrize("name", CASES)
+@on_torch  # MLX: per-token-head scale caches are a torch feature (docs/mlx.md)
 def test_per_token_head(backend, name, rng):
-    if backend.framework == "mlx":
-        pytest.skip("MLX: per-token-head scale caches are a torch feature (docs/mlx.md)")
     check_per_token_head(backend, rng, *CASES[name])
 
 
