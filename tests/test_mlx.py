@@ -94,11 +94,15 @@ def test_runs_under_compile(what, rng):
 def test_graph_does_not_grow_with_tokens(tokens, rng):
     """The same number of graph nodes for few tokens and for many: no per-token Python loop (decode-sized
     calls run as one compiled graph, larger ones eagerly: each pair stays on one path)."""
+    from ropepool.backends import paths
+
     counts = []
     for T in tokens:
         arrays, kw = small_call(rng, T=T)
         mx.eval(*arrays)
-        counts.append(primitives(*ropepool.rope_pool_fused(*arrays, **kw)))
+        with paths.counting() as seen:
+            counts.append(primitives(*ropepool.rope_pool_fused(*arrays, **kw)))
+        assert seen["mlx.compiled"] == (tokens[0] == 2), f"T={T}: {seen['mlx.compiled']} compiled calls"
     assert counts[0] == counts[1], f"graph nodes: {counts[0]} for T={tokens[0]}, {counts[1]} for T={tokens[1]}"
 
 

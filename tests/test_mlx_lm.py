@@ -130,6 +130,7 @@ def test_batched_decode_rotates_every_sequence(compiled, monkeypatch):
 
     The regression of mx.fast.rope with seq_len 1 and batch > 1 (only row 0 rotated, fixed in MLX 0.32)."""
     from ropepool.backends import mlx as mlx_backend
+    from ropepool.backends import paths
 
     if not compiled:
         monkeypatch.setattr(mlx_backend, "COMPILE_MAX_TOKENS", 0)
@@ -140,7 +141,9 @@ def test_batched_decode_rotates_every_sequence(compiled, monkeypatch):
     slots = mx.array(gen.permutation(P)[:B].astype(np.int32))
     pools = [mx.array(gen.standard_normal((P, Hkv, D)).astype(np.float32)) for _ in range(2)]
     kw = {"head_dim": D, "num_qo_heads": Hq, "num_kv_heads": Hkv, "rope_base": 10000.0}
-    q_rot, k_rot, kp, vp = ropepool.rope_pool_fused(q, k, v, positions, slots, *pools, **kw)
+    with paths.counting() as seen:
+        q_rot, k_rot, kp, vp = ropepool.rope_pool_fused(q, k, v, positions, slots, *pools, **kw)
+    assert seen["mlx.compiled"] == compiled, f"{seen['mlx.compiled']} compiled calls"
     ref = ropepool.reference.rope_pool_fused(*(np.array(a) for a in (q, k, v, positions, slots, *pools)), **kw)
     for name, got, want in (("q_rot", q_rot, ref[0]), ("k_rot", k_rot, ref[1]), ("k_pool", kp, ref[2])):
         err = np.abs(np.array(got) - want).max(axis=(-1, -2))
