@@ -208,8 +208,8 @@ class Prepared:
             # longrope: one choice of factors per call; a GPU runs the whole call in one pass of each op
             return self.eager(q, k, v, positions, slots, k_pool, v_pool, *self.arrays)
         # On the CPU, chunks of about CHUNK_FEATURES q features keep each float32 temporary in the
-        # caches and small enough for the allocator to reuse (bf16 Llama-3-8B at T = 4,096: 1.53x the
-        # hand-written mx.fast.rope code in chunks of 256 tokens, 1.14x in chunks of 64; docs/mlx.md).
+        # caches and small enough for the allocator to reuse (docs/mlx.md; the comparison of chunk sizes
+        # that chose this was not recorded, the records under docs/bench are of the chosen size).
         # Each chunk writes the pools the last returned, so they stay donated.
         q_rot, k_rot = [], []
         step = max(1, CHUNK_FEATURES // (q.shape[1] * q.shape[2]))
