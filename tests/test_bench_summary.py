@@ -94,6 +94,18 @@ def test_new_record_joins_its_cell(tmp_path, recs):
     assert len([r for r in cell.history if r.record.order == old.runs[0].record.order]) == 2
 
 
+def test_other_harness_record_is_kept_whole(tmp_path):
+    """A record the cells do not read (an engine run) is kept for its block, with its provenance."""
+    dst = _copy_bench(tmp_path)
+    d = {"env": {"gpu": "NVIDIA H200", "vllm": "0.99", "date": "2099-01-01", "note": "a test"}, "steps": [1.0]}
+    (dst / "engine-step-2099-01-01.json").write_text(json.dumps(d))
+    recs = Records(dst)
+    [(rec, data)] = recs.others("engine-step-*.json")
+    assert data == d and rec.kind == "gpu" and "vllm 0.99" in rec.versions
+    assert "`engine-step-2099-01-01.json` (2099-01-01" in bench_summary.sources([rec])
+    assert "Note: a test" in bench_summary.sources([rec])
+
+
 def test_unknown_block_is_an_error(recs):
     with pytest.raises(KeyError, match="no block named 'nope'"):
         bench_summary.render("<!-- summary:nope -->\n<!-- /summary:nope -->", recs)

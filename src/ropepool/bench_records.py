@@ -18,6 +18,7 @@ paths since: a row whose code was changed after it was measured says so (†; ``
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import statistics
 import subprocess
@@ -177,15 +178,27 @@ def _host_rows(path, d):
                        "bfloat16"), r["us"]
 
 
-def _rows(path: Path):
-    d = json.loads(path.read_text())
+def _rows(path: Path, d: dict):
+    """The (record, key, µs) of a record of a known harness; none for any other record (a block reads
+    those itself through ``Records.other``)."""
     if "host_rows" in d:
         return _host_rows(path, d)
-    if "records" in d:
+    if "records" in d and "summary" in d:
         return _mlx_rows(path, d)
-    if d["rows"] and "shape" in d["rows"][0]:
+    if not d.get("rows") or not isinstance(d.get("env"), dict):
+        return ()
+    if "shape" in d["rows"][0]:
         return _peer_rows(path, d)
     return _bench_rows(path, d)
+
+
+def describe(path: Path, d: dict) -> Record:
+    """A record of any harness as a Record: its env's device (gpu, cpu or machine), versions, date,
+    commit and note; kind "gpu" with a ``gpu`` field, "mlx" with an ``mlx`` version, else "cpu"."""
+    env = d.get("env", {})
+    kind = "gpu" if env.get("gpu") else "mlx" if env.get("mlx") else "cpu"
+    device = env.get("gpu") or env.get("machine") or env.get("cpu") or "device not recorded"
+    return _record(path, env, kind, device, ("torch", "triton", "vllm", "sglang", "transformers", "mlx", "python"))
 
 
 @dataclass
@@ -209,11 +222,21 @@ class Records:
     def __init__(self, root: Path = BENCH):
         self.root = Path(root)
         self.by_key: dict[Key, list[Run]] = {}
+        self.other: dict[str, tuple[Record, dict]] = {}  # records of other harnesses, by file name
         for path in sorted(p for p in self.root.glob("*.json") if p.name != "provenance.json"):
-            for rec, key, us in _rows(path):
+            d = json.loads(path.read_text())
+            rows = list(_rows(path, d))
+            if not rows:
+                self.other[path.name] = (describe(path, d), d)
+            for rec, key, us in rows:
                 if (rec.file, key.variant) in EXCLUDED:
                     continue
                 self.by_key.setdefault(key, []).append(Run(rec, key, us))
+
+    def others(self, pattern: str) -> list[tuple[Record, dict]]:
+        """The records of other harnesses (engine runs, demos, soaks) whose file name matches the glob
+        ``pattern``, oldest first: a block reads their JSON itself and cites the Records."""
+        return [self.other[f] for f in sorted(self.other) if fnmatch.fnmatch(f, pattern)]
 
     def cell(self, **want) -> Cell | None:
         """The cell whose key has these fields (``device`` may be a prefix); None if never measured.

@@ -21,6 +21,15 @@ under its name::
                          mode="graph", tokens=64, dtype="bfloat16")
         return f"... {fmt_cell(cell)} ... {sources(cell.records)}"
 
+A record of another harness (an engine's step time, a demo, a soak run: any JSON with an ``env``
+that the cells do not read) is kept whole; its block reads it::
+
+    @block("engine-step")
+    def engine_step(recs: Records) -> str:
+        runs = recs.others("engine-step-*.json")          # [(Record, dict)], oldest first
+        ms = [d["step_ms"] for _, d in runs]
+        return f"... {fmt_num(statistics.median(ms))} ms {span(ms, fmt_num)} ... {sources(r for r, _ in runs)}"
+
 Put the function in a module listed in ``BLOCK_MODULES`` (or in ``bench_blocks*.py``) and the
 marker in the doc. A cell reports the median of the runs of the newest code that measured it, with
 their min-max and count (``fmt_cell``); a block states its records, device, versions, date and
