@@ -1,4 +1,4 @@
-"""ropepool: RoPE on q/k and the KV-pool write, in one fused step."""
+"""ropepool: RoPE on q/k and the KV-pool write, in one fused step (the contract: docs/api.md)."""
 import sys
 
 from . import reference

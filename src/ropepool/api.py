@@ -16,6 +16,8 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
                     v_scale_cache: Array | None = None) -> tuple[Array, Array, Array, Array]:
     """Rotate q and k (RoPE) and write the rotated k and v into the KV pools at ``slots``.
 
+    The contract (every argument and what it promises): docs/api.md.
+
     Parameters
     ----------
     q : [num_tokens, num_qo_heads, head_dim], float16 / bfloat16 / float32
@@ -114,7 +116,7 @@ def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, s
                       kpe_cache: Array, *, rope, kv_layout: str | None = None, layer: int | None = None, scale=None,
                       q_pe_out: Array | None = None, backend: str | None = None) -> tuple[Array, Array, Array, Array]:
     """The latent cache of multi-head latent attention (DeepSeek V2/V3, Kimi K2): rotate q_pe and k_pe,
-    write kv_c and the rotated k_pe at ``slots``.
+    write kv_c and the rotated k_pe at ``slots``. The contract: docs/api.md.
 
     Parameters
     ----------
