@@ -49,6 +49,7 @@ MISTAKES = [
     case(["bench", "--bogus"], (), ["--bogus", "--help"], marks=TORCH),
     case(["bench"], ("torch",), ["torch cannot be imported", "ropepool[torch,bench]", "--framework mlx"]),
     case(["demo"], ("transformers",), ["transformers cannot be imported", "ropepool[hf]"], marks=TORCH),
+    case(["demo"], ("torch",), ["torch cannot be imported", "ropepool[hf]", "demo --framework mlx"]),
     case(["demo", "--families", "llama,foo"], (), ["--families", "'foo'", "llama", "gemma3", "all"],
                  marks=HF),
     case(["demo", "--model", "foo"], (), ["--model", "'foo'", "qwen3"], marks=HF),
