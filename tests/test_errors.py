@@ -19,7 +19,7 @@ import pytest
 
 import ropepool
 from ropepool import CosSinCache, QKNorm, RopeSpec, plan
-from tests.harness import NP_DTYPES, Backend, assert_same_bits, backend_for, cos_sin_table
+from tests.harness import HAS, NP_DTYPES, Backend, assert_same_bits, backend_for, cos_sin_table
 from tests.params import framework, on_backends
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,6 +28,8 @@ DOCS = ROOT / "docs" / "errors.md"
 ARRAYS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool")
 T, HQ, HKV, D, P, LAYERS = 4, 4, 2, 16, 12, 3
 TORCH = "torch"  # a case only torch tensors can express (strides, devices, views, q_out)
+# The array types a message offers: those of the frameworks installed (the MLX job has no torch).
+ARRAY_TYPES = " or ".join(t for t, fw in ((r"torch\.Tensor", "torch"), (r"mx\.array", "mlx")) if HAS[fw])
 
 
 def randn(*shape, dtype=np.float32):
@@ -218,11 +220,11 @@ CASES = [
       ValueError, r"^positions must be >= 0; got positions\[1, 2\] = -2"),
     # types, frameworks, devices
     C("q-list", change(q=lambda a, X: a["q"].tolist()), TypeError,
-      r"^rope_pool_fused expects q to be a torch\.Tensor or mx\.array; got builtins\.list"),
+      rf"^rope_pool_fused expects q to be a {ARRAY_TYPES}; got builtins\.list"),
     C("numpy-arrays", change(**{n: lambda a, X, n=n: X.numpy(a[n]) for n in ARRAYS}), TypeError,
-      r"^rope_pool_fused expects q to be a torch\.Tensor or mx\.array; got numpy\.ndarray\. Fix: convert it"),
+      rf"^rope_pool_fused expects q to be a {ARRAY_TYPES}; got numpy\.ndarray\. Fix: convert it"),
     C("positions-numpy", change(positions=lambda a, X: X.numpy(a["positions"])), TypeError,
-      r"^rope_pool_fused expects positions to be a torch\.Tensor or mx\.array; got numpy\.ndarray"),
+      rf"^rope_pool_fused expects positions to be a {ARRAY_TYPES}; got numpy\.ndarray"),
     C("pool-on-another-device", pools((P, HKV, D), device="meta"), TypeError,
       r"^rope_pool_fused expects every tensor on one device; got q on cpu and k_pool on meta\. "
       r"Fix: move k_pool with \.to\('cpu'\)", TORCH),
