@@ -106,6 +106,13 @@ def test_other_harness_record_is_kept_whole(tmp_path):
     assert "Note: a test" in bench_summary.sources([rec])
 
 
+def test_overwritten_record_is_read_at_its_last_write(recs):
+    """cpu-2026-12-04.json was added at 9f05cfa and overwritten by later runs (the last after
+    4058d18 changed torch_cpu.py): its rows measured 4058d18's code, not the first CPU path's."""
+    rec = next(r.record for rs in recs.by_key.values() for r in rs if r.record.file == "cpu-2026-12-04.json")
+    assert rec.commit == bench_records._git("log", "-1", "--format=%h", "4058d18")
+
+
 def test_unknown_block_is_an_error(recs):
     with pytest.raises(KeyError, match="no block named 'nope'"):
         bench_summary.render("<!-- summary:nope -->\n<!-- /summary:nope -->", recs)

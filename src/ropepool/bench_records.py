@@ -9,8 +9,8 @@ QK-norm anchor (``rows`` with ``shape``, no ``config``), ``ropepool bench --fram
 record added later (a new file, never an overwrite) is picked up without any code change.
 
 Which code a record measured: ``env.commit`` where the record carries it, else the commit
-``docs/bench/provenance.json`` gives for it (from its run's docs), else the commit that added the
-file to git; either is mapped to the last commit at or before it that touched the
+``docs/bench/provenance.json`` gives for it (from its run's docs), else the last commit that wrote
+the file; either is mapped to the last commit at or before it that touched the
 device's code paths (``CODE_PATHS``). A cell reports the runs of its newest code (``Cell.runs``);
 runs on older code stay as history (``Cell.history``). ``Record.later`` counts the commits to those
 paths since: a row whose code was changed after it was measured says so (†; ``git log
@@ -30,14 +30,13 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "docs" / "bench"
 
-# The code each device's figures depend on: a commit touching one of these makes older rows stale.
-_COMMON = ["src/ropepool/api.py", "src/ropepool/plan.py", "src/ropepool/validate.py"]
+# The code each device's figures depend on: the kernel and its launcher, the CPU path, the MLX path. A
+# commit touching one of these makes older rows stale. (The shared host path, api/plan/validate, is
+# left out on purpose: its commits are mostly messages and docstrings, and would mark every row.)
 CODE_PATHS = {
-    "gpu": ["src/ropepool/backends/triton_kernel.py", "src/ropepool/backends/triton_op.py", *_COMMON],
-    "cpu": ["src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py",
-            "src/ropepool/backends/arraymath.py", "src/ropepool/values.py", *_COMMON],
-    "mlx": ["src/ropepool/backends/mlx.py", "src/ropepool/backends/arraymath.py", "src/ropepool/values.py",
-            *_COMMON],
+    "gpu": ["src/ropepool/backends/triton_kernel.py", "src/ropepool/backends/triton_op.py"],
+    "cpu": ["src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py"],
+    "mlx": ["src/ropepool/backends/mlx.py"],
 }
 
 # Rows that a record holds but that must not be read, with the reason (docs/benchmarks.md says why).
@@ -81,10 +80,11 @@ class Record:
 
     @cached_property
     def commit(self) -> str | None:
-        """The last commit to this device's code at or before the measured (or adding) commit."""
+        """The last commit to this device's code at or before the measured (or writing) commit."""
         at = self.stated_commit
         if at is None or _git("cat-file", "-e", f"{at}^{{commit}}") is None:
-            at = _git("log", "--diff-filter=A", "--format=%H", "-1", "--", f"docs/bench/{self.file}")
+            # the last commit to the file: its content, where an earlier stop overwrote a record in place
+            at = _git("log", "--format=%H", "-1", "--", f"docs/bench/{self.file}")
         if not at:
             return None
         return _git("log", "-1", "--format=%h", at, "--", *CODE_PATHS[self.kind]) or None
