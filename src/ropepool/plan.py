@@ -12,15 +12,28 @@ the same scalar arguments whose tensors have the same type, dtype, device,
 sizes (except the token count) and strides, compared in one C++ call
 (dynamo's ``TensorGuards``). Without TensorGuards every call is checked in
 full. Nothing here imports torch unless the call's arrays are torch tensors.
+
+Bounds (both layout caches): at most ``_MAX_KEYS`` keys of scalar arguments,
+each with at most 8 torch layouts, and at most ``_MAX_BYTES`` of the small
+caller arrays a key holds (scales, norm weights; past either bound all is
+forgotten and relearnt). An engine's cos/sin table is held only weakly: a
+key holds its ``CosSinCache`` as a ``_TableKey``, equal to any new
+``CosSinCache`` over the same live table, and the runners read the table
+through ``Rotation.table_ref``; when the table is freed its keys go. The
+per-token-head scale caches (``k_scale_cache``, ``v_scale_cache``) are the
+exception: held strongly and not counted, as the pools they belong to live
+as long as the engine.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 from . import backends
 from .dtypes import tracing
+from .spec import CosSinCache
 from .validate import Call, check_host_values
 
 
@@ -39,28 +52,13 @@ DEFAULT_TUNING = Tuning()
 class Plan:
     """A Call and the backend that runs it, with that backend's launch state."""
 
-    _by_id: list = []  # plans the custom op refers to by index (see triton_op)
-
     def __init__(self, call: Call, backend: backends.Backend, tuning: Tuning):
         self.call, self.backend, self.tuning = call, backend, tuning
         self.prepared = backend.load().prepare(call, tuning)
-        self._id = None
 
     def bind(self, *arrays) -> Callable:
         """The function running calls whose arrays are laid out like ``arrays``."""
         return self.prepared.bind(*arrays)
-
-    @property
-    def id(self) -> int:
-        """An int the custom op carries through torch.compile in place of this object."""
-        if self._id is None:
-            self._id = len(Plan._by_id)
-            Plan._by_id.append(self)
-        return self._id
-
-    @staticmethod
-    def by_id(i: int) -> "Plan":
-        return Plan._by_id[i]
 
 
 def make(call: Call, q, backend: str | None = None, tuning: Tuning | None = None) -> Plan:
@@ -72,6 +70,8 @@ def make(call: Call, q, backend: str | None = None, tuning: Tuning | None = None
 
 _SEEN: dict = {}  # (scalars, their types) -> [(guard, runner, call to value-check or None)]
 _MAX_KEYS = 4096
+_MAX_BYTES = 64 << 20  # of caller arrays held in keys (scales, norm weights): a few KB each in practice
+_held = [0]  # bytes of caller arrays the keys of both caches hold
 _compiling = None  # torch.compiler.is_compiling, once a torch call is remembered
 
 
@@ -114,9 +114,7 @@ def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
     if call.framework == "mlx":
         key = _mlx_key(scalars, arrays)
         if key is not None:
-            if len(_SEEN_MLX) > _MAX_KEYS:
-                _SEEN_MLX.clear()
-            _SEEN_MLX[key] = (run, call)
+            _store(_SEEN_MLX, key, scalars, (run, call))
         return
     if call.framework != "torch" or tracing("torch"):
         return
@@ -131,13 +129,62 @@ def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
         return
     try:
         key = (scalars, tuple(map(type, scalars)))
-        if len(_SEEN) > _MAX_KEYS:
-            _SEEN.clear()
-        entries = _SEEN.setdefault(key, [])
+        entries = _SEEN.get(key)
     except TypeError:
         return
+    if entries is None:
+        entries = _store(_SEEN, key, scalars, [])
     entries.append((guard, run, call if call.host_values else None))
     del entries[:-8]  # a few layouts per key in practice; never many
+
+
+def _store(cache: dict, key: tuple, scalars: tuple, value):
+    """``cache[key] = value`` with key's scalars held as remembered keys hold them (``_TableKey``), within
+    the bounds; returns value."""
+    held = _held_bytes(scalars)
+    if len(_SEEN) + len(_SEEN_MLX) >= _MAX_KEYS or _held[0] + held > _MAX_BYTES:
+        forget()
+    _held[0] += held
+    stored = tuple(_TableKey(x) if type(x) is CosSinCache else x for x in scalars)
+    cache[(stored, *key[1:])] = value
+    return value
+
+
+class _TableKey:
+    """A remembered key's ``CosSinCache``: equal to any CosSinCache over the same table while that table
+    lives, and holding it only weakly; once the table is freed, the keys holding this are forgotten."""
+
+    __slots__ = ("key", "ref", "_hash")
+
+    def __init__(self, rope: CosSinCache):
+        self.key, self._hash = rope.key, hash(rope)
+        self.ref = weakref.ref(rope.cos_sin_cache, _table_freed)
+
+    def __eq__(self, other):
+        if type(other) is CosSinCache:
+            return self.key == other.key and self.ref() is other.cos_sin_cache
+        return self is other
+
+    def __hash__(self):
+        return self._hash
+
+
+def _table_freed(ref) -> None:
+    for cache in (_SEEN, _SEEN_MLX):
+        for key in [k for k in cache if any(type(x) is _TableKey and x.ref is ref for x in k[0])]:
+            _held[0] -= _held_bytes(key[0])
+            cache.pop(key, None)
+
+
+def _held_bytes(scalars) -> int:
+    """Bytes of the caller's arrays among these scalars that a key holds (scale caches not counted)."""
+    n = 0
+    for x in scalars[:13]:  # k_scale_cache and v_scale_cache come after
+        for a in getattr(x, "weights", (x,)):  # QKNorm: its weights
+            nbytes = getattr(a, "nbytes", None)
+            if isinstance(nbytes, int) and not isinstance(a, CosSinCache):
+                n += nbytes
+    return n
 
 
 # --- the MLX layout cache: what validation read of an MLX call is its arrays' types, shapes and dtypes.
@@ -172,9 +219,10 @@ def _lookup_mlx(scalars, arrays):
 
 
 def forget() -> None:
-    """Drop every remembered layout (after tuning changes, in tests)."""
+    """Drop every remembered layout (after tuning changes, in tests, past the bounds)."""
     _SEEN.clear()
     _SEEN_MLX.clear()
+    _held[0] = 0
 
 
 def _tensor_guard(tensors, mrope_positions: bool):

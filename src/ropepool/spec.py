@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -32,8 +33,11 @@ class Rotation:
     holds longrope's long-factor frequencies, used by a whole call once its
     largest position reaches ``long_from``. ``table``: the engine's
     ``[max_position, rotary_dim]`` cos/sin cache (cos half, then sin half),
-    an array of the call's framework. ``rows``: for each frequency, which
-    row of ``[3, T]`` MRoPE positions it takes (all 0 without MRoPE).
+    an array of the call's framework, held weakly (``table_ref``): the
+    ``CosSinCache`` the caller passes holds it, so no plan, graph or runner
+    that keeps this record keeps the engine's table alive. ``rows``: for
+    each frequency, which row of ``[3, T]`` MRoPE positions it takes (all 0
+    without MRoPE).
     """
 
     rotary_dim: int  # 0: a layer without RoPE
@@ -41,13 +45,18 @@ class Rotation:
     attention_scaling: float = 1.0
     freqs: np.ndarray | None = None
     long_from: int | None = None
-    table: Any = None
+    table_ref: Any = None  # weakref.ref to the table, or None
     mrope_section: tuple | None = None
     mrope_interleaved: bool = False
     rows: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "rows", mrope_rows(self.rotary_dim // 2, self.mrope_section, self.mrope_interleaved))
+
+    @property
+    def table(self):
+        """The engine's table (None without one, or once the caller has dropped it)."""
+        return None if self.table_ref is None else self.table_ref()
 
 
 def mrope_rows(half: int, section, interleaved: bool) -> np.ndarray:
@@ -262,13 +271,38 @@ class CosSinCache:
         if fw == "torch" and cos_sin_cache.stride(-1) != 1:
             raise RopePoolError(f"CosSinCache expects a table whose last dim is contiguous; got strides "
                                 f"{list(cos_sin_cache.stride())}. Fix: cos_sin_cache.contiguous().")
-        self.cos_sin_cache = cos_sin_cache
+        self._table = cos_sin_cache
         self.is_neox = bool(is_neox)
         self.max_position, self.rotary_dim = shape
         section = _check_mrope("CosSinCache", mrope_section, mrope_interleaved, self.rotary_dim)
         self.mrope_section, self.mrope_interleaved = section, bool(mrope_interleaved)
-        self.rotation = Rotation(self.rotary_dim, not self.is_neox, 1.0, None, None, cos_sin_cache,
+        self.rotation = Rotation(self.rotary_dim, not self.is_neox, 1.0, None, None, weakref.ref(cos_sin_cache),
                                  section, self.mrope_interleaved)
+        # Equal to every CosSinCache over the same table object with the same pairs: a new one made per
+        # call finds the layouts ropepool remembered for the last (plan.py keeps the table only weakly).
+        self.key = (id(cos_sin_cache), self.is_neox, section, self.mrope_interleaved)
+        self._hash = hash(self.key)
+
+    @property
+    def cos_sin_cache(self):
+        """The table (None once dropped, for one made by ``held_weakly``)."""
+        return self._table if self._table is not None else self.rotation.table_ref()
+
+    @classmethod
+    def held_weakly(cls, cos_sin_cache, is_neox: bool = True) -> "CosSinCache":
+        """A CosSinCache that does not keep its table alive: for a map of an engine's tables to their
+        CosSinCache (integrations.vllm), which must not outlive them."""
+        rope = cls(cos_sin_cache, is_neox=is_neox)
+        rope._table = None
+        return rope
+
+    def __eq__(self, other):
+        if type(other) is not CosSinCache:
+            return NotImplemented
+        return self.key == other.key and self.cos_sin_cache is other.cos_sin_cache
+
+    def __hash__(self):
+        return self._hash
 
     def __repr__(self):
         return (f"CosSinCache([{self.max_position}, {self.rotary_dim}] {dtype_name(self.cos_sin_cache)}, "

@@ -177,7 +177,10 @@ def _graph(call):
     return graph
 
 
-_GRAPHS: dict = {}  # static key -> (eager graph, compiled graph)
+# static key -> (eager graph, compiled graph); at most _MAX_GRAPHS, each holding its first Call's small arrays
+# (norm weights, scales: a few KB) but no engine table (read through Rotation.table_ref).
+_GRAPHS: dict = {}
+_MAX_GRAPHS = 256
 
 
 class Prepared:
@@ -187,26 +190,34 @@ class Prepared:
         key = _static_key(call)
         graphs = _GRAPHS.get(key)
         if graphs is None:
-            if len(_GRAPHS) > 256:
+            if len(_GRAPHS) >= _MAX_GRAPHS:
                 _GRAPHS.clear()
             graph = _graph(call)
             graphs = _GRAPHS[key] = (graph, mx.compile(graph))
         self.eager, self.compiled = graphs
         qw, kw = (None, None) if call.norm is None else call.norm.weights
         freqs = device_array(rot.freqs) if rot.table is None and rot.rotary_dim else None
-        self.arrays = (freqs, rot.table, qw, kw, call.k_scale, call.v_scale)
+        # An engine's table is read per call through its weak reference (spec.Rotation): a graph or a runner
+        # the layout cache keeps must not keep the caller's table alive.
+        self.arrays, self.table_ref = (freqs, None, qw, kw, call.k_scale, call.v_scale), rot.table_ref
 
     def bind(self, *arrays):
         return self.run
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):  # outs: torch only
+        if self.table_ref is not None:
+            return self.run_with(self.arrays[:1] + (self.table_ref(),) + self.arrays[2:], q, k, v, positions,
+                                 slots, k_pool, v_pool)
+        return self.run_with(self.arrays, q, k, v, positions, slots, k_pool, v_pool)
+
+    def run_with(self, arrays, q, k, v, positions, slots, k_pool, v_pool):
         T = q.shape[0]
         if T <= COMPILE_MAX_TOKENS:
             paths.took("mlx.compiled")
-            return self.compiled(q, k, v, positions, slots, k_pool, v_pool, *self.arrays)
+            return self.compiled(q, k, v, positions, slots, k_pool, v_pool, *arrays)
         if T <= CHUNK_TOKENS or self.call.rotation.long_from is not None or mx.default_device() != mx.cpu:
             # longrope: one choice of factors per call; a GPU runs the whole call in one pass of each op
-            return self.eager(q, k, v, positions, slots, k_pool, v_pool, *self.arrays)
+            return self.eager(q, k, v, positions, slots, k_pool, v_pool, *arrays)
         # On the CPU, chunks of about CHUNK_FEATURES q features keep each float32 temporary in the
         # caches and small enough for the allocator to reuse (docs/mlx.md; the comparison of chunk sizes
         # that chose this was not recorded, the records under docs/bench are of the chosen size).
@@ -217,7 +228,7 @@ class Prepared:
             part = slice(s, s + step)
             pos = positions[..., part]  # [T] or MRoPE's [3, T]
             qr, kr, k_pool, v_pool = self.eager(q[part], k[part], v[part], pos, slots[part], k_pool, v_pool,
-                                                *self.arrays)
+                                                *arrays)
             q_rot.append(qr)
             k_rot.append(kr)
         return mx.concatenate(q_rot), mx.concatenate(k_rot), k_pool, v_pool

@@ -34,8 +34,11 @@ _FLIP_ELEMENTS = 1 << 14
 # cos/sin rows of positions below this come from a table made once per rotation (96 MB at rotary_dim 128),
 # one index_select instead of four ops; above, or past 64 tokens, they are computed per call.
 _TABLE_POSITIONS, _TABLE_TOKENS, _TABLE_CHUNK = 1 << 17, 64, 1 << 12
-# id(frequencies) -> (frequencies, {(set, shape, scaling): tables}): the entry keeps the tensor, the id its own.
+# The frequencies' bytes -> {(set, shape, scaling): (cos, sin)}: equal rotations share tables, whatever
+# object holds them. Bounded in bytes: past _TABLE_BYTES every table is dropped (and regrown on demand).
 _TABLES: dict = {}
+_TABLE_BYTES = 256 << 20
+_table_bytes = [0]
 
 
 def covers(call, arrays) -> bool:
@@ -47,10 +50,20 @@ def covers(call, arrays) -> bool:
 
 
 def _tables_of(freqs) -> dict:
-    """The cos/sin tables made from this frequency tensor (shared by every layout of its rotation)."""
-    if id(freqs) not in _TABLES and len(_TABLES) > 64:
-        _TABLES.clear()
-    return _TABLES.setdefault(id(freqs), (freqs, {}))[1]
+    """The cos/sin tables made from these frequencies (shared by every rotation with the same values).
+    Holds no caller array: the key is the values (a few hundred bytes), the tables ropepool's own."""
+    key = freqs.numpy().tobytes()
+    if key not in _TABLES and len(_TABLES) >= 64:
+        _drop_tables()
+    return _TABLES.setdefault(key, {})
+
+
+def _drop_tables() -> None:
+    """Every table goes (the runners keep their dicts, emptied, and regrow what they use)."""
+    for tables in _TABLES.values():
+        tables.clear()
+    _TABLES.clear()
+    _table_bytes[0] = 0
 
 
 class Fast:
@@ -68,6 +81,7 @@ class Fast:
         # The table's values are those computed per call only where each call's T * r/2 angles take torch's
         # vector cos/sin (ATen computes a tail of < 32 floats with libm's): r/2 a multiple of 32.
         self.tables = None if freqs is None or (r // 2) % 32 else _tables_of(freqs)
+        self.tables_key = None if self.tables is None else freqs.numpy().tobytes()
         geom = call.pool
         # A flat pool is [rows, heads, dim] already, slot = row: no view per call.
         self.flat = geom.kv_layout is None and geom.layer is None and geom.headed
@@ -86,8 +100,10 @@ class Fast:
         # Few positions are read as Python ints (0.4 us; a tensor max and int() cost 1.5).
         top = (max(positions.tolist()) if T <= _TABLE_TOKENS else int(positions.max())) if T else -1
         s = int(rot.long_from is not None and top >= rot.long_from)
-        if self.tables is not None and T <= _TABLE_TOKENS and top < _TABLE_POSITIONS:
-            cos, sin = self.from_table(s, top)
+        tables = self.from_table(s, top) if self.tables is not None and T <= _TABLE_TOKENS and \
+            top < _TABLE_POSITIONS else None
+        if tables is not None:
+            cos, sin = tables
             if not pick:
                 return cos, sin, positions
             return cos.index_select(0, positions), sin.index_select(0, positions), None
@@ -104,12 +120,23 @@ class Fast:
 
     def from_table(self, s, top):
         """Tables of ``compute``'s cos and sin, a row per position, shaped like them, for positions up to ``top``
-        < _TABLE_POSITIONS: grown on demand in chunks of _TABLE_CHUNK positions (index_select keeps the shape)."""
+        < _TABLE_POSITIONS: grown on demand in chunks of _TABLE_CHUNK positions (index_select keeps the shape);
+        None where they would not fit in _TABLE_BYTES."""
         key = (s, self.cs_shape, self.rot.attention_scaling)
         tables = self.tables.get(key)
         if tables is None or tables[0].shape[0] <= top:
+            # After a drop this runner's dict is emptied and unlisted: it takes the listed one again.
+            self.tables = _TABLES.setdefault(self.tables_key, self.tables)
+            tables = self.tables.get(key)
             have = 0 if tables is None else tables[0].shape[0]
             new = self.compute(self.freqs[s], torch.arange(have, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK))
+            grown = sum(t.nbytes for t in new)
+            if _table_bytes[0] + grown > _TABLE_BYTES:
+                if not _table_bytes[0]:  # more than the bound alone: computed per call
+                    return None
+                _drop_tables()
+                return self.from_table(s, top)
+            _table_bytes[0] += grown
             # New tensors, then the swap: a concurrent call keeps reading the old tables.
             tables = self.tables[key] = new if tables is None else tuple(map(torch.cat, zip(tables, new)))
         return tables

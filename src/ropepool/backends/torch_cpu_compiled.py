@@ -37,7 +37,9 @@ import torch
 MIN_TOKENS = 2
 _state = {"failed": False}
 # (flip axis, aliases, each tensor's dtype and layout past the token axis) -> inductor's compiled function
+# (a loaded module, no tensor); at most _MAX_COMPILED, past which it is emptied (inductor's disk cache refills it).
 _compiled: dict = {}
+_MAX_COMPILED = 256
 
 
 def _step(q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows, *, pair_dim: int):
@@ -146,6 +148,8 @@ def rotate(q, k, cos, sin, pair_dim: int, q_out, k_out, bound: dict, positions=N
             fn = _compile(args, pair_dim, aliases)
             if not _checked_run(fn, args, pair_dim):
                 return _give_up("its results differ from the torch ops'", done=True)
+            if len(_compiled) >= _MAX_COMPILED:
+                _compiled.clear()
             _compiled[key] = fn
         bound[known] = fn
         return True

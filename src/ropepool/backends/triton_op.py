@@ -36,8 +36,11 @@ _STRIDES = ("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "K
             "VS_PAGE", "VS_ROW", "VS_SH")
 _FLOAT_FEATURES = ("FP8_MAX", "Q_FP8_MAX", "K_FP8_MAX", "ATTENTION_SCALING", "EPS", "WEIGHT_OFFSET")
 _INT_FEATURES = tuple(n for n in _CONSTEXPRS if n not in _STRIDES and n not in _FLOAT_FEATURES)
-_KERNELS: dict = {}  # (constexpr values, warps, ...) -> compiled kernel, shared by every launcher
-_LAUNCHERS: dict = {}  # Launcher.args -> Launcher, for the custom op
+# Bounds: each holds plain data and Triton's compiled kernels (no caller tensor); past its bound it is
+# emptied and refilled (a kernel is then found again in Triton's own cache).
+_KERNELS: dict = {}  # (constexpr values, warps, ...) -> compiled kernel, shared by every launcher; _MAX_ENTRIES
+_LAUNCHERS: dict = {}  # Launcher.args -> Launcher, for the custom op; _MAX_ENTRIES
+_MAX_ENTRIES, _MAX_BOUND = 1024, 64  # _MAX_BOUND: layouts a Launcher keeps (Launcher._bound)
 
 
 def _tile(n: int) -> int:
@@ -152,6 +155,8 @@ class Launcher:
         key = (tuple(small), tuple(large), tuple(floats), tuple(ints), kv_layout)
         launcher = _LAUNCHERS.get(key)
         if launcher is None:
+            if len(_LAUNCHERS) >= _MAX_ENTRIES:
+                _LAUNCHERS.clear()
             f = dict(zip(_FLOAT_FEATURES, floats))
             small_tokens, split_small, split_large, warps, layer, headed = ints
             launcher = _LAUNCHERS[key] = cls({**dict(zip(_INT_FEATURES, small)), **f},
@@ -184,6 +189,8 @@ class Launcher:
         key = (strides, offsets, geom.pool_size, dtypes)
         launch = self._bound.get(key)
         if launch is None:
+            if len(self._bound) >= _MAX_BOUND:
+                self._bound.clear()
             launch = self._bound[key] = _Launch(self, dict(zip(_STRIDES, strides)), offsets, geom.pool_size)
         return launch
 
@@ -206,16 +213,17 @@ class _Launch:
         self.constexprs = tuple({n: {**f, **strides}[n] for n in _CONSTEXPRS} for f in launcher.features)
         self.tails = tuple(tuple(c.values()) for c in self.constexprs)
         self.kernels: dict = {}  # (variant, alignment) -> compiled kernel
-        self.extras, self.long_from = None, None  # an eager plan's (adopt)
+        self.extras, self.long_from, self.table_ref = None, None, None  # an eager plan's (adopt)
         self.more = None  # the pointers after the arrays, when they never change (adopt)
         # Per variant, once compiled: (C launch function, programs a token, the args before the arrays',
         # the args after them).
         self.direct = [None, None]
 
-    def adopt(self, extras: tuple, long_from, fixed: bool) -> "_Launch":
+    def adopt(self, extras: tuple, long_from, fixed: bool, table_ref=None) -> "_Launch":
         """This layout as an eager plan's runner: the plan's extra tensors (``fixed``: their memory
-        never changes, so their pointers are read once) and where LongRoPE switches factors."""
-        self.extras, self.long_from = extras, long_from
+        never changes, so their pointers are read once) and where LongRoPE switches factors. The engine's
+        table is kept as ``table_ref`` (weak): the layout cache keeps this runner, not the caller's table."""
+        self.extras, self.long_from, self.table_ref = (extras[0], None, *extras[2:]), long_from, table_ref
         if fixed:
             self.more = _more_pointers(extras, None)
         return self
@@ -244,6 +252,8 @@ class _Launch:
         elif T:
             if extras is None:
                 extras, use_long = self.extras, _use_long(positions, self.long_from)
+                if self.table_ref is not None:
+                    extras = (extras[0], self.table_ref(), *extras[2:])
             self.launch(T, large, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras)
         return q_out, k_out, k_pool, v_pool
 
@@ -282,6 +292,8 @@ class _Launch:
         key = (tuple(self.constexprs[variant].values()), ln.warps, align, self.pool_size >= 2**31,
                tuple(x is None for x in more), q.dtype, k.dtype, k_pool.dtype, q_out.dtype, k_out.dtype,
                positions.dtype, slots.dtype)
+        if len(_KERNELS) >= _MAX_ENTRIES:
+            _KERNELS.clear()
         kernel = self.kernels[(variant, align)] = _KERNELS.setdefault(key, kernel)
         if align is True and self.more is not None and positions.ndim == 1:
             launch, lead = _direct_launch(kernel)
@@ -354,9 +366,10 @@ class Prepared:
             scales = (call.k_scale, call.v_scale, call.q_scale, call.k_out_scale)
             caches = (None if c is None else paged_view(c[..., None], call.pool)
                       for c in (call.k_scale_cache, call.v_scale_cache))
-            got = self._extras[device] = (freqs, rot.table, qw, kw, *(_scale_tensor(s, device) for s in scales),
+            got = self._extras[device] = (freqs, None, qw, kw, *(_scale_tensor(s, device) for s in scales),
                                           *caches)
-        return got
+        table = self.call.rotation.table  # held weakly (spec.Rotation): never kept here
+        return got if table is None else (got[0], table, *got[2:])
 
     def fixed_pointers(self) -> bool:
         """Whether the kernel's extra tensors are all ropepool's own or the engine's table, whose memory
@@ -373,8 +386,8 @@ class Prepared:
         long_from = self.call.rotation.long_from if self.call.rotation.table is None else None
         if not torch.compiler.is_compiling():
             return self.launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
-                                      self.call.rotation.table, extras[8:]).adopt(extras, long_from,
-                                                                                  self.fixed_pointers())
+                                      self.call.rotation.table, extras[8:]).adopt(
+                extras, long_from, self.fixed_pointers(), self.call.rotation.table_ref)
         op_args = self.launcher.args()
 
         def run(q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import weakref
 
 import torch
 
@@ -77,17 +78,21 @@ def cache_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> tuple[to
                         "backend's cache layout, or None to read it from kv_cache's shape.")
 
 
+# (id(table), is_neox) -> a CosSinCache holding the table weakly; an entry goes with its table. At most
+# _MAX_TABLES entries (a few hundred bytes each, no table): past it the map is emptied and refilled.
 _TABLES: dict = {}
+_MAX_TABLES = 256
 
 
 def _table(cos_sin_cache: torch.Tensor, is_neox: bool) -> CosSinCache:
     """One CosSinCache per engine table, so ropepool's plan cache hits on every later call."""
     key = (id(cos_sin_cache), bool(is_neox))
     hit = _TABLES.get(key)
-    if hit is None or hit[0] is not cos_sin_cache:
-        if len(_TABLES) > 256:
+    if hit is None or hit[1].cos_sin_cache is not cos_sin_cache:
+        if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
-        hit = _TABLES[key] = (cos_sin_cache, CosSinCache(cos_sin_cache, is_neox=is_neox))
+        hit = _TABLES[key] = (weakref.ref(cos_sin_cache, lambda _, key=key, tables=_TABLES: tables.pop(key, None)),
+                              CosSinCache.held_weakly(cos_sin_cache, is_neox=is_neox))
     return hit[1]
 
 
