@@ -3,8 +3,10 @@
 Out-of-range and negative slots, and positions outside a CosSinCache (past
 it, negative, huge; MRoPE rows too), straight into the kernel: the public
 call on CUDA reads no values, so nothing checks them. Every pool layout
-(flat, paged NHD / HND, layer-stacked) and MLA's latent caches, per-token-head scale caches, each pool a
-view inside a larger buffer whose other bytes are canaries. The sanitizer
+(flat, paged NHD / HND, layer-stacked), fp8 pools with fp8 q/k outputs
+and the fused QK-norm, MLA's latent caches, per-token-head scale caches
+(int8 and fp8), each pool or output a view inside a larger buffer whose
+other bytes are canaries. The sanitizer
 must report no invalid access; the canaries must be intact; no token whose
 slot or position is bad may write.
 """
@@ -72,11 +74,31 @@ def latent_case(rope, positions):
     print(f"MLA latent cache, rope {type(rope).__name__}: no write outside the caches")
 
 
-def per_token_head_case(positions):
-    """int8 paged pools with per-token-head scale caches, 64 q heads (the large-call head split)."""
+def fp8_norm_case(rope, positions):
+    """fp8 e4m3 pools with scales, fp8 q_rot and k_rot written to given outputs, Gemma-style QK-norm
+    (64 q heads: the large-call head split, taken with the norm)."""
     q = torch.randn(T, 64, D, device=DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(T, Hkv, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-    (k_pool, k_big), (v_pool, v_big) = (in_canaries((P // 16, 16, Hkv, D), torch.int8) for _ in range(2))
+    f8 = torch.float8_e4m3fn
+    (k_pool, k_big), (v_pool, v_big) = (in_canaries((P, Hkv, D), f8) for _ in range(2))
+    (q_out, q_big), (k_out, ko_big) = in_canaries((T, 64, D), f8), in_canaries((T, Hkv, D), f8)
+    bigs = (k_big, v_big, q_big, ko_big)
+    before = [b.clone() for b in bigs]
+    norm = ropepool.QKNorm(torch.rand(D, device=DEV), torch.rand(D, device=DEV), weight_offset=1.0)
+    ropepool.rope_pool_fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D, num_qo_heads=64,
+                             num_kv_heads=Hkv, rope=rope, k_scale=0.5, v_scale=0.5, q_out=q_out, q_scale=0.5,
+                             k_out=k_out, k_out_scale=0.5, qk_norm=norm)
+    torch.cuda.synchronize()
+    for name, big, b in zip(("k pool", "v pool", "q out", "k out"), bigs, before):
+        check_canaries(f"fp8 + QK-norm rope {type(rope).__name__} {name}", big, b)
+    print(f"fp8 pools, fp8 q/k out, QK-norm, rope {type(rope).__name__}: no write outside them")
+
+
+def per_token_head_case(positions, dtype):
+    """Paged pools of ``dtype`` with per-token-head scale caches, 64 q heads (the large-call head split)."""
+    q = torch.randn(T, 64, D, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(T, Hkv, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    (k_pool, k_big), (v_pool, v_big) = (in_canaries((P // 16, 16, Hkv, D), dtype) for _ in range(2))
     (k_sc, ks_big), (v_sc, vs_big) = (in_canaries((P // 16, 16, Hkv), torch.float32) for _ in range(2))
     bigs = (k_big, v_big, ks_big, vs_big)
     before = [b.clone() for b in bigs]
@@ -84,8 +106,8 @@ def per_token_head_case(positions):
                              num_kv_heads=Hkv, kv_layout="NHD", k_scale_cache=k_sc, v_scale_cache=v_sc)
     torch.cuda.synchronize()
     for name, big, b in zip(("k pool", "v pool", "k scales", "v scales"), bigs, before):
-        check_canaries(f"per-token-head {name}", big, b)
-    print("per-token-head int8 pools and scale caches: no write outside them")
+        check_canaries(f"per-token-head {dtype} {name}", big, b)
+    print(f"per-token-head {dtype} pools and scale caches: no write outside them")
 
 
 def table_positions_never_write():
@@ -113,7 +135,10 @@ def main():
     pools_case("NHD", 3, CosSinCache(table(64), mrope_section=(8, 12, 12)), bad_pos3)
     latent_case(RopeSpec(head_dim=64, style="gptj"), pos)
     latent_case(CosSinCache(table(64), is_neox=False), bad_pos)
-    per_token_head_case(pos)
+    fp8_norm_case(RopeSpec(head_dim=D, base=1e6), pos)
+    fp8_norm_case(CosSinCache(table(D)), bad_pos)
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        per_token_head_case(pos, dtype)
     table_positions_never_write()
     print("memcheck driver done")
 
