@@ -57,7 +57,7 @@ def _plain_t1(recs, geometry="llama3-8b"):
 def test_changed_record_is_seen(tmp_path, recs):
     """A record value changed in a copy of docs/bench makes the README block differ."""
     dst = _copy_bench(tmp_path)
-    path = dst / "h200-2026-12-04-peers-split.json"
+    path = dst / _plain_t1(recs).runs[0].record.file  # the newest record of the cell
     d = json.loads(path.read_text())
     for r in d["rows"]:
         if (r["shape"], r["impl"], r["mode"], r["T"]) == ("llama3-8b", "ropepool", "graph", 1):
@@ -72,8 +72,9 @@ def test_changed_record_is_seen(tmp_path, recs):
 def test_new_record_joins_its_cell(tmp_path, recs):
     """A record added for the same code joins the cell's median; one on newer code replaces it."""
     dst = _copy_bench(tmp_path)
-    src = json.loads((dst / "h200-2026-12-04-peers-split.json").read_text())
     old = _plain_t1(recs, "llama70b-tp8")
+    assert len(old.runs) == 1
+    src = json.loads((dst / old.runs[0].record.file).read_text())
     for name, factor in (("h200-2099-01-01-a.json", 1.5), ("h200-2099-01-01-b.json", 2.5)):
         d = json.loads(json.dumps(src))
         d["env"]["commit"] = old.runs[0].record.commit
