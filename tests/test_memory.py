@@ -269,3 +269,23 @@ def test_mlx_fresh_tables_are_freed():
     assert sum(r() is not None for r in refs) == 0
     assert len(plan._SEEN_MLX) == 0
     assert active[1] <= active[0] + (64 << 10), active
+
+
+@pytest.mark.skipif(not HAS["mlx"], reason="needs mlx")
+def test_torch_and_mlx_calls_in_one_process_both_hit(monkeypatch):
+    """Calls on torch tensors and on MLX arrays with the same scalar arguments, alternating: each framework's
+    layout is checked once, then found (the torch cache's key matched the MLX calls too, which were then
+    checked in full every time)."""
+    import mlx.core as mx
+
+    plan.forget()
+    spec = ropepool.RopeSpec(head_dim=D)
+    margs = [mx.array(x.numpy()) for x in _call(spec)[0]]
+    checks = []
+    full_check = ropepool.validate.check
+    monkeypatch.setattr(ropepool.validate, "check", lambda *a, **kw: checks.append(type(a[0])) or full_check(*a, **kw))
+    for _ in range(10):
+        _call(spec)
+        out = ropepool.rope_pool_fused(*margs, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope=spec)
+        margs[5:7] = out[2:]
+    assert checks == [mx.array], checks  # the torch layout was checked by _call above, before counting

@@ -73,6 +73,7 @@ _MAX_KEYS = 4096
 _MAX_BYTES = 64 << 20  # of caller arrays held in keys (scales, norm weights): a few KB each in practice
 _held = [0]  # bytes of caller arrays the keys of both caches hold
 _compiling = None  # torch.compiler.is_compiling, once a torch call is remembered
+_Tensor = None  # torch.Tensor, from then on
 
 
 def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
@@ -88,7 +89,7 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
         entries = _SEEN.get((scalars, tuple(map(type, scalars))))
     except TypeError:  # an unhashable argument (rope={...}): checked in full, and rejected there
         return None
-    if entries:
+    if entries and isinstance(arrays[0], _Tensor):
         q, k, v, positions, slots, k_pool, v_pool, q_out, k_out = arrays
         tensors = arrays[:7] if q_out is None and k_out is None else tuple(x for x in arrays if x is not None)
         # The guard leaves every token dim free, each on its own: the counts must agree with q's.
@@ -105,12 +106,13 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
                 if values is not None:
                     check_host_values(values, positions, slots)
                 return run
-    return None
+    # MLX arrays with a torch call's scalars (one process running both)
+    return _lookup_mlx(scalars, arrays) if _SEEN_MLX else None
 
 
 def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
     """Keep ``run`` for later calls like this one (torch tensors with memory; MLX arrays)."""
-    global _compiling
+    global _compiling, _Tensor
     if call.framework == "mlx":
         key = _mlx_key(scalars, arrays)
         if key is not None:
@@ -121,7 +123,7 @@ def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
     tensors = tuple(x for x in arrays if x is not None)
     # Only plain tensors: a subclass may change what validation saw.
     torch = sys.modules["torch"]
-    _compiling = torch.compiler.is_compiling
+    _compiling, _Tensor = torch.compiler.is_compiling, torch.Tensor
     if any(type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type == "meta" for x in tensors):
         return
     guard = _tensor_guard(tensors, arrays[3].ndim == 2)
