@@ -104,7 +104,7 @@ def row(recs: Records, op: Op) -> Row:
                 xs.append(r.median)
                 used |= set(r.records)
                 if r.median < 1 and not peer.startswith("ropepool"):
-                    slower.append(f"{NAMES[peer]} at T = {t:,} ({r.median:.2f}x)")
+                    slower.append(f"{NAMES[peer]} at T = {t:,} ({r.median:.{3 if r.median > 0.995 else 2}f}x)")
         if xs:
             peers.append(f"{NAMES[peer]} {span(xs, lambda x: f'{x:.2f}')}x")
     return Row(op, pct, small, peers, slower, used)
