@@ -16,7 +16,9 @@ _CONSTANTS: dict = {}
 def constant(values, convert, *where):
     """``convert(values, *where)`` made once: a Rotation's NumPy frequencies or rows as a framework array.
 
-    Keyed by the array's identity; the entry keeps the array alive, so the id stays its own.
+    Keyed by the array's identity; the entry keeps the array alive, so the id stays its own. Only a
+    Rotation's own small arrays come here (a RopeSpec's frequencies, MRoPE rows: a few hundred bytes),
+    never an engine's table: at most 1,025 entries, past which the cache is emptied.
     """
     key = (id(values), convert, where)
     hit = _CONSTANTS.get(key)
