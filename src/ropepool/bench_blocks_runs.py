@@ -5,6 +5,8 @@ token count and mode for the providers named, in that order. With a ``copy`` pro
 provider's cell also gives its % of copy (copy's time over its); without one, but with ``eager``, a
 last column gives eager's time over the first provider's. ``DTYPE`` (bfloat16 by default) is given as
 ``dtype=float32``. ``<!-- summary:host-table FILE -->`` prints a host-cost run (``host_rows``).
+``<!-- summary:soak-table FILE -->`` prints a ``benchmarks/soak.py`` run: calls/s and resident memory at
+each tenth of it, then its start, middle and end.
 """
 from __future__ import annotations
 
@@ -68,3 +70,21 @@ def host_table(recs: Records, file: str) -> str:
                 for w in ("before", "after")]
         lines.append(f"| {pin.removeprefix('host ')} | {fmt_num(bare)} | " + " | ".join(cols) + " |")
     return "\n".join(lines) + "\n\n" + sources({r.record for r in rows})
+
+
+@block("soak-table")
+def soak_table(recs: Records, file: str) -> str:
+    (rec, d), = recs.others(file)
+    soak = d["soak"]
+    samples = soak["samples"]
+    lines = ["| t (s) | calls | calls/s | RSS MB |", "| ---: | ---: | ---: | ---: |"]
+    for s in samples:
+        rate = "" if s["calls_per_s"] is None else fmt_num(s["calls_per_s"])
+        lines.append(f"| {s['t']:.1f} | {s['calls']:,} | {rate} | {s['rss_mb']:,.1f} |")
+    start, mid, end = samples[0], samples[len(samples) // 2], samples[-1]
+    by_fw = ", ".join(f"{fw} {n:,}" for fw, n in soak["calls_by_framework"].items())
+    return ("\n".join(lines) + f"\n\n{soak['calls']:,} calls in {end['t']:.1f} s, {fmt_num(soak['calls'] / end['t'])} "
+            f"calls/s ({by_fw}), after a warm-up of {soak['warm_up']['seconds']} s over every case. Resident "
+            f"memory: {start['rss_mb']:,.1f} MB at the start, {mid['rss_mb']:,.1f} MB in the middle (t = "
+            f"{mid['t']:.1f} s), {end['rss_mb']:,.1f} MB at the end.\n\n" + sources([rec]))
+
