@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import plan, validate
+from .spec import CosSinCache
 
 Array = Any  # a torch.Tensor or an mx.array
 
@@ -98,7 +99,9 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
     (True, True)
     """
     arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
-    scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout, backend,
+    # A CosSinCache by its key: a new one over the same table finds the last one's layout (plan.py).
+    rope_key = rope.key if type(rope) is CosSinCache else rope
+    scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, rope_key, layer, k_scale, v_scale, kv_layout, backend,
                qk_norm, q_scale, k_out_scale, k_scale_cache, v_scale_cache, q_out is None, k_out is None)
     run = plan.lookup(scalars, arrays)
     if run is None:
@@ -145,7 +148,8 @@ def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, s
     head's features permuted (evens, then odds).
     """
     arrays = (q_pe, k_pe, kv_c, positions, slots, kpe_cache, ckv_cache, q_pe_out, None)
-    scalars = ("latent", rope, kv_layout, layer, scale, backend, q_pe_out is None)
+    rope_key = rope.key if type(rope) is CosSinCache else rope
+    scalars = ("latent", rope_key, kv_layout, layer, scale, backend, q_pe_out is None)
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope,

@@ -17,15 +17,16 @@ Bounds (both layout caches): at most ``_MAX_KEYS`` keys of scalar arguments,
 each with at most 8 torch layouts, and at most ``_MAX_BYTES`` of the small
 caller arrays a key holds (scales, norm weights; past either bound all is
 forgotten and relearnt). An engine's cos/sin table is held only weakly: a
-key holds its ``CosSinCache`` as a ``_TableKey``, equal to any new
-``CosSinCache`` over the same live table, and the runners read the table
-through ``Rotation.table_ref``; when the table is freed its keys go. The
+key holds a ``CosSinCache``'s ``key`` (the table's id, its pairs), which any
+new ``CosSinCache`` over the same table shares, the runners read the table
+through ``Rotation.table_ref``, and when the table is freed its keys go. The
 per-token-head scale caches (``k_scale_cache``, ``v_scale_cache``) are the
 exception: held strongly and not counted, as the pools they belong to live
 as long as the engine.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Callable
 
 from . import backends
 from .dtypes import tracing
-from .spec import CosSinCache
+from .spec import TableKey
 from .validate import Call, check_host_values
 
 
@@ -116,7 +117,7 @@ def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
     if call.framework == "mlx":
         key = _mlx_key(scalars, arrays)
         if key is not None:
-            _store(_SEEN_MLX, key, scalars, (run, call))
+            _store(_SEEN_MLX, key, call, (run, call))
         return
     if call.framework != "torch" or tracing("torch"):
         return
@@ -135,45 +136,33 @@ def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
     except TypeError:
         return
     if entries is None:
-        entries = _store(_SEEN, key, scalars, [])
+        entries = _store(_SEEN, key, call, [])
     entries.append((guard, run, call if call.host_values else None))
     del entries[:-8]  # a few layouts per key in practice; never many
 
 
-def _store(cache: dict, key: tuple, scalars: tuple, value):
-    """``cache[key] = value`` with key's scalars held as remembered keys hold them (``_TableKey``), within
-    the bounds; returns value."""
-    held = _held_bytes(scalars)
+def _store(cache: dict, key: tuple, call: Call, value):
+    """``cache[key] = value`` within the bounds, the engine's table watched; returns value."""
+    held = _held_bytes(key[0])
     if len(_SEEN) + len(_SEEN_MLX) >= _MAX_KEYS or _held[0] + held > _MAX_BYTES:
         forget()
+    table = call.rotation.table
+    if table is not None and id(table) not in _WATCHED:
+        _WATCHED[id(table)] = weakref.ref(table, functools.partial(_table_freed, id(table)))
     _held[0] += held
-    stored = tuple(_TableKey(x) if type(x) is CosSinCache else x for x in scalars)
-    cache[(stored, *key[1:])] = value
+    cache[key] = value
     return value
 
 
-class _TableKey:
-    """A remembered key's ``CosSinCache``: equal to any CosSinCache over the same table while that table
-    lives, and holding it only weakly; once the table is freed, the keys holding this are forgotten."""
-
-    __slots__ = ("key", "ref", "_hash")
-
-    def __init__(self, rope: CosSinCache):
-        self.key, self._hash = rope.key, hash(rope)
-        self.ref = weakref.ref(rope.cos_sin_cache, _table_freed)
-
-    def __eq__(self, other):
-        if type(other) is CosSinCache:
-            return self.key == other.key and self.ref() is other.cos_sin_cache
-        return self is other
-
-    def __hash__(self):
-        return self._hash
+# id(table) -> a weak reference to it, whose callback drops the keys of that table (a CosSinCache's key
+# holds the table's id): it runs when the table is freed, before its id can be another table's.
+_WATCHED: dict = {}
 
 
-def _table_freed(ref) -> None:
+def _table_freed(table_id: int, ref) -> None:
+    _WATCHED.pop(table_id, None)
     for cache in (_SEEN, _SEEN_MLX):
-        for key in [k for k in cache if any(type(x) is _TableKey and x.ref is ref for x in k[0])]:
+        for key in [k for k in cache if any(type(x) is TableKey and x[0] == table_id for x in k[0])]:
             _held[0] -= _held_bytes(key[0])
             cache.pop(key, None)
 
@@ -184,7 +173,7 @@ def _held_bytes(scalars) -> int:
     for x in scalars[:13]:  # k_scale_cache and v_scale_cache come after
         for a in getattr(x, "weights", (x,)):  # QKNorm: its weights
             nbytes = getattr(a, "nbytes", None)
-            if isinstance(nbytes, int) and not isinstance(a, CosSinCache):
+            if isinstance(nbytes, int):
                 n += nbytes
     return n
 
@@ -224,6 +213,7 @@ def forget() -> None:
     """Drop every remembered layout (after tuning changes, in tests, past the bounds)."""
     _SEEN.clear()
     _SEEN_MLX.clear()
+    _WATCHED.clear()
     _held[0] = 0
 
 

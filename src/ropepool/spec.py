@@ -235,6 +235,13 @@ class RopeSpec:
         return isinstance(other, RopeSpec) and self.key == other.key
 
 
+class TableKey(tuple):
+    """A CosSinCache's key: (id of its table, is_neox, mrope_section, mrope_interleaved). A tuple's hash and
+    equality (no Python call on the hot path); its own type, so that no other argument can equal it."""
+
+    __slots__ = ()
+
+
 class CosSinCache:
     """An engine's own cos/sin table, used as it is (vLLM, sglang and FlashInfer format).
 
@@ -279,8 +286,9 @@ class CosSinCache:
         self.rotation = Rotation(self.rotary_dim, not self.is_neox, 1.0, None, None, weakref.ref(cos_sin_cache),
                                  section, self.mrope_interleaved)
         # Equal to every CosSinCache over the same table object with the same pairs: a new one made per
-        # call finds the layouts ropepool remembered for the last (plan.py keeps the table only weakly).
-        self.key = (id(cos_sin_cache), self.is_neox, section, self.mrope_interleaved)
+        # call finds the layouts ropepool remembered for the last. The layout cache's keys hold this key,
+        # not the object (plan.py: a key goes when its table is freed, before the id can be reused).
+        self.key = TableKey((id(cos_sin_cache), self.is_neox, section, self.mrope_interleaved))
         self._hash = hash(self.key)
 
     @property
