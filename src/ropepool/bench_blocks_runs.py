@@ -6,7 +6,8 @@ provider's cell also gives its % of copy (copy's time over its); without one, bu
 last column gives eager's time over the first provider's. ``DTYPE`` (bfloat16 by default) is given as
 ``dtype=float32``. ``<!-- summary:host-table FILE -->`` prints a host-cost run (``host_rows``).
 ``<!-- summary:soak-table FILE -->`` prints a ``benchmarks/soak.py`` run: calls/s and resident memory at
-each tenth of it, then its start, middle and end.
+each tenth of it, then its start, middle and end. ``<!-- summary:test-memory FILE -->`` states a
+``benchmarks/suite_memory.py`` run: the test suite's peak resident memory.
 """
 from __future__ import annotations
 
@@ -88,3 +89,13 @@ def soak_table(recs: Records, file: str) -> str:
             f"memory: {start['rss_mb']:,.1f} MB at the start, {mid['rss_mb']:,.1f} MB in the middle (t = "
             f"{mid['t']:.1f} s), {end['rss_mb']:,.1f} MB at the end.\n\n" + sources([rec]))
 
+
+@block("test-memory")
+def suite_memory(recs: Records, file: str) -> str:
+    (rec, d), = recs.others(file)
+    m = d["test_memory"]
+    return (f"`{m['command']}` peaked at {m['max_rss_mb']:,.0f} MB resident in the pytest process (GNU "
+            f"`/usr/bin/time -v`, its maximum resident set size) and at {m['group_peak_mb']:,.0f} MB summed over "
+            f"its process group, child processes included ({m['group_processes_at_peak']} processes at the "
+            f"peak, sampled every 0.25 s); it ran {m['wall_s'] / 60:.1f} minutes ({m['pytest']}).\n\n"
+            + sources([rec]))
