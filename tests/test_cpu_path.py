@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ropepool import CosSinCache, RopeSpec  # noqa: E402
-from ropepool.backends import torch_cpu, torch_cpu_compiled  # noqa: E402
+from ropepool.backends import paths, torch_cpu, torch_cpu_compiled  # noqa: E402
 from ropepool.values import check_values  # noqa: E402
 from tests.harness import (  # noqa: E402
     FLOATS,
@@ -28,6 +28,7 @@ from tests.harness import (  # noqa: E402
     randn,
     run_checked,
 )
+from tests.test_features import NORMS, norm_arith, norm_for  # noqa: E402
 
 ROPES = {
     "plain": lambda D: RopeSpec(head_dim=D, base=500000.0),
@@ -50,31 +51,32 @@ LAYOUTS = {"flat": {}, "NHD": dict(kv_layout="NHD", page_size=4), "HND": dict(kv
            "layer": dict(layers=3, layer=1)}
 
 
+OPS, STEP, STEP_WRITE = "torch_cpu.write", "torch_cpu.compiled_step", "torch_cpu.compiled_write"
+
+
+class _Since:
+    """The fast paths' counts (backends/paths.py) since the test began: ``[OPS]`` pools written by torch
+    ops, ``[STEP]`` calls rotated by the compiled step, ``[STEP_WRITE]`` calls whose pools it wrote."""
+
+    def __init__(self):
+        self.start = {p: paths.count(p) for p in (OPS, STEP, STEP_WRITE)}
+
+    def __getitem__(self, path):
+        return paths.count(path) - self.start[path]
+
+
 @pytest.fixture
-def fast_writes(monkeypatch):
-    """How many pool writes the fast path made (two per call it ran), by torch ops or in the compiled step."""
-    count = [0]
-    write, step = torch_cpu.Fast.write, torch_cpu.Fast.compiled_step
-
-    def counted(self, *a):
-        count[0] += 1
-        return write(self, *a)
-
-    def counted_step(self, *a):
-        written = step(self, *a)
-        count[0] += 2 * written
-        return written
-
-    monkeypatch.setattr(torch_cpu.Fast, "write", counted)
-    monkeypatch.setattr(torch_cpu.Fast, "compiled_step", counted_step)
-    return count
+def fast_writes():
+    """How the fast path wrote the pools: a call that silently went to torch_eager's general code writes
+    none of them."""
+    return _Since()
 
 
 @pytest.fixture
 def compiled(monkeypatch):
-    """The compiled step on from 2 tokens (the suite runs with it off), from a clean state; the test fails if
-    it gave up (its warning would otherwise only slow the call down)."""
-    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    """The compiled step on from 2 tokens and compiled in the call (the suite runs with it off), from a clean
+    state; the test fails if it gave up (its warning would otherwise only slow the call down)."""
+    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "sync")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
     yield
@@ -106,7 +108,8 @@ def test_compiled_step_matches_oracle(dtype, rope, layout, rng, fast_writes, com
     check_fast_path(dtype, rope, layout, 7, rng, fast_writes, skip_every=0, high=100_000)
     check_fast_path(dtype, rope, layout, 5, rng, fast_writes, skip_every=0, high=2**24)
     check_fast_path(dtype, rope, layout, 130, rng, fast_writes, skip_every=4, high=2**24)
-    assert fast_writes[0] == 6
+    step_writes = 0 if layout == "HND" or rope == "partial-gptj" else 2
+    assert (fast_writes[STEP], fast_writes[STEP_WRITE], fast_writes[OPS]) == (3, step_writes, 6 - 2 * step_writes)
 
 
 def check_fast_path(dtype, rope, layout, T, rng, fast_writes, skip_every, high):
@@ -115,9 +118,9 @@ def check_fast_path(dtype, rope, layout, T, rng, fast_writes, skip_every, high):
     slots = make_slots(rng, T, P, skip_every=skip_every)  # shuffled; with skip_every some negative (skipped)
     cache = poison(make_cache(rng, dtype, P, Hkv, D, **LAYOUTS[layout]), slots)
     positions = make_positions(rng, T, high=TABLE_POSITIONS - 1 if rope == "table" else high)
-    before = fast_writes[0]
+    before = fast_writes[OPS] + 2 * fast_writes[STEP_WRITE]
     run_checked(X, q, k, v, positions, slots, cache, rope=ROPES[rope](D))
-    assert fast_writes[0] - before == 2
+    assert fast_writes[OPS] + 2 * fast_writes[STEP_WRITE] - before == 2, "both pools written by the fast path"
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -129,14 +132,14 @@ def test_in_place_and_strided_outputs(dtype, rng, fast_writes):
     slots = make_slots(rng, T, P)
     run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, dtype, P, Hkv, D), slots),
                 q_out=q, k_out=k_out)
-    assert fast_writes[0] == 2
+    assert fast_writes[OPS] == 2
 
 
 def test_compiled_rotation(monkeypatch, rng, fast_writes):
     """Inductor's code (on in this test, from 2 tokens) gives the oracle's results for each dtype and for
     q/k seen through a fused QKV row or contiguous, with in-place and strided outputs; each call is counted
     and compiled once per key."""
-    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "sync")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
     monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
@@ -154,7 +157,8 @@ def test_compiled_rotation(monkeypatch, rng, fast_writes):
         outs = dict(q_out=q, k_out=torch.empty(T, Hkv, 2 * D, dtype=q.dtype)[..., :D]) if in_place else {}
         run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, dtype, P, Hkv, D), slots),
                     **outs)
-    assert ran == [True] * 5 and fast_writes[0] == 10 and not torch_cpu_compiled._state["failed"]
+    assert ran == [True] * 5 and (fast_writes[STEP], fast_writes[OPS]) == (5, 10)  # tokens skipped: ops write
+    assert not torch_cpu_compiled._state["failed"]
     assert len(torch_cpu_compiled._compiled) == 4, "T = 5 and 7 share one compiled function"
 
 
@@ -168,7 +172,7 @@ def test_compile_failure_falls_back(monkeypatch, rng, fast_writes, failure):
             raise RuntimeError("no C++ compiler")
         return lambda *a: [out.zero_() for out in a[4:6]]
 
-    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "sync")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
     monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
@@ -181,7 +185,35 @@ def test_compile_failure_falls_back(monkeypatch, rng, fast_writes, failure):
         with pytest.warns(RuntimeWarning, match=match) if i == 0 else _no_warning():
             run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, "float32", P, Hkv, D),
                                                                           slots), **({"q_out": q} if i == 0 else {}))
-    assert torch_cpu_compiled._state["failed"] and fast_writes[0] == 4
+    assert torch_cpu_compiled._state["failed"] and (fast_writes[STEP], fast_writes[OPS]) == (0, 4)
+
+
+def test_compiles_in_the_background(monkeypatch, rng, fast_writes):
+    """By default no call compiles: a layout's first COMPILE_AFTER calls run the torch ops (the first call of
+    a process stays fast), then its graph compiles in a background thread while the ops serve, and later
+    calls run it; every call with the oracle's results."""
+    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setattr(torch_cpu_compiled, "COMPILE_AFTER", 3)
+    monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
+    monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
+    started = []
+    build = torch_cpu_compiled._build
+    monkeypatch.setattr(torch_cpu_compiled, "_build", lambda *a: started.append(a[0]) or build(*a))
+    T, Hq, Hkv, D, P = 6, 3, 1, 64, 32
+
+    def call():
+        q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "bfloat16")
+        slots = make_slots(rng, T, P, skip_every=0)
+        run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, "bfloat16", P, Hkv, D), slots))
+
+    for i in range(3):
+        call()
+        assert len(started) == (i == 2) and fast_writes[STEP] == 0, f"call {i}: nothing compiled in a call"
+    torch_cpu_compiled.wait()
+    call()
+    assert (fast_writes[STEP], fast_writes[STEP_WRITE], fast_writes[OPS]) == (1, 1, 6)
+    assert not torch_cpu_compiled._state["failed"]
 
 
 class _no_warning:
@@ -196,6 +228,23 @@ class _no_warning:
         self._w.__exit__(*exc)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("name", [n for n, (*_, pool) in NORMS.items() if pool == "float"])
+@pytest.mark.parametrize("T", [1, 9, 130])
+def test_qk_norm_on_the_fast_path(dtype, name, T, rng, fast_writes):
+    """QK norm (before or after RoPE, with or without weights, partial and GPT-J rotations) on the fast path,
+    q/k as views of a fused QKV row, within the norm's bound of the oracle."""
+    D, spec_kw, norm_kw, _ = NORMS[name]
+    norm = norm_for(rng, D, **norm_kw)
+    Hq, Hkv, P = 3, 2, 2 * T + 5
+    q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
+    slots = make_slots(rng, T, P)
+    run_checked(X, q, k, v, make_positions(rng, T, high=100_000), slots,
+                poison(make_cache(rng, dtype, P, Hkv, D), slots), rope=RopeSpec(head_dim=D, **spec_kw),
+                qk_norm=norm, arith=norm_arith(norm))
+    assert fast_writes[OPS] == 2
+
+
 def test_uncovered_features_take_the_general_path(rng, fast_writes):
     """An fp8 pool is not the fast path's: the call runs (checked) on torch_eager."""
     T, Hq, Hkv, D, P = 5, 2, 1, 32, 8
@@ -203,7 +252,7 @@ def test_uncovered_features_take_the_general_path(rng, fast_writes):
     slots = make_slots(rng, T, P)
     cache = make_cache(rng, "float8_e4m3fn", P, Hkv, D)
     run_checked(X, q, k, v, make_positions(rng, T), slots, cache, k_scale=0.5, v_scale=0.5)
-    assert fast_writes[0] == 0
+    assert fast_writes[OPS] == 0
 
 
 @pytest.mark.parametrize("T", [1, 16, 64])
@@ -262,7 +311,7 @@ def test_cos_sin_table_and_past_its_bound(monkeypatch, spy, style, scaling, rng,
         run_checked(X, q, k, v, positions, slots, poison(make_cache(rng, "float32", P, Hkv, D), slots), rope=rope)
         (tables,) = torch_cpu._TABLES.values()
         rows.append(next(iter(tables.values()))[0].shape[0])
-    assert len(from_table) == 3 and fast_writes[0] == 10
+    assert len(from_table) == 3 and fast_writes[OPS] == 10
     assert rows == [256, 768, 1024, 1024, 1024]
 
 
@@ -280,4 +329,4 @@ def test_fused_qk_of_one_token(spy, rng, fast_writes):
         res = run_checked(X, q, k, v, make_positions(rng, T), slots, poison(make_cache(rng, "bfloat16", P, Hkv, D),
                                                                            slots), rope=rope)
         assert res.q_rot.is_contiguous() and res.k_rot.is_contiguous()
-    assert [x is not None for x in fused] == [True, False, False] and fast_writes[0] == 8
+    assert [x is not None for x in fused] == [True, False, False] and fast_writes[OPS] == 8

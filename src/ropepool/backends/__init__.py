@@ -38,8 +38,13 @@ _INSTALLED = {name: importlib.util.find_spec(name) is not None for name in ("tri
 def load_torch_backends() -> None:
     """Import the torch backends now, outside any traced code: torch.compile cannot trace an import,
     so a process whose first call is compiled needs them imported before (see ropepool/__init__.py)."""
+    import torch
+
+    # Triton only where it can run (CUDA, or its CPU interpreter): importing it costs ~0.8 s, most of a
+    # CPU-only process's first call.
+    triton = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     for b in BACKENDS:
-        if b.framework == "torch" and b.why_not(None) is None:
+        if b.framework == "torch" and b.why_not(None) is None and (triton or b.name != "triton"):
             b.load()
 
 

@@ -34,6 +34,10 @@ Paths counted now (keep this list in step):
 - ``mlx.traced``: the Python of MLX's graph function ran: at every eager
   call, and once per trace of the compiled graph (so a compiled call that
   really reuses its graph does not add one).
+- ``torch_cpu.write``: the CPU path wrote one pool (k or v) with torch ops;
+- ``torch_cpu.compiled_step``: a CPU call rotated q and k in inductor's
+  compiled step (``torch_cpu_compiled``);
+- ``torch_cpu.compiled_write``: that step also wrote both pools.
 """
 from __future__ import annotations
 

@@ -18,14 +18,15 @@ with the same roundings as ``torch_eager`` (its results bit for bit).
 
 It takes the calls ``covers`` accepts (plain, partial, GPT-J, scaled and
 longrope rotations, an engine's table, every pool layout, MLA's latent); the
-rest (QK norm, fp8, MRoPE, autograd, torch.compile tracing) stay on ``torch_eager``.
+QK norm (normalised by torch_eager's own operations, then rotated here); the
+rest (fp8, MRoPE, autograd, torch.compile tracing) stay on ``torch_eager``.
 """
 from __future__ import annotations
 
 import torch
 
 from ..layout import page_and_row, paged_view
-from . import torch_cpu_compiled
+from . import arraymath, paths, torch_cpu_compiled
 
 # A block of tokens: about 128K floats (512 KB); of 16K-256K, measured fastest on a
 # 2 MB-per-core L2 (docs/benchmarks.md, CPU section).
@@ -44,7 +45,7 @@ _table_bytes = [0]
 def covers(call, arrays) -> bool:
     """Whether this path runs a call with these arrays (else torch_eager's general code does)."""
     q = arrays[0]
-    return (q.device.type == "cpu" and call.norm is None and not (call.fp8 or call.q_fp8 or call.k_fp8)
+    return (q.device.type == "cpu" and not (call.fp8 or call.q_fp8 or call.k_fp8)
             and call.rotation.mrope_section is None and not torch.compiler.is_compiling()
             and not any(x is not None and x.requires_grad for x in arrays[:3]))
 
@@ -86,6 +87,10 @@ class Fast:
         # A flat pool is [rows, heads, dim] already, slot = row: no view per call.
         self.flat = geom.kv_layout is None and geom.layer is None and geom.headed
         self.compiled = {}  # torch_cpu_compiled's functions for this layout
+        from .torch_eager import TorchOps  # (torch_eager imports this module)
+
+        self.ops = TorchOps  # the QK norm's operations
+        self._gain = (None, None)  # gain's key and value
 
     def cos_sin(self, positions, pick=True):
         """float32 ``cos`` and ``-sin, sin``, shaped to broadcast over ``x`` seen as ``[T, H, *pairs]``, and
@@ -182,7 +187,9 @@ class Fast:
             swapped = torch.empty(xf.shape, dtype=torch.float32)
             torch.mul(xf.select(p, 1), sin.select(p, 0), out=swapped.select(p, 0))
             torch.mul(xf.select(p, 0), sin.select(p, 1), out=swapped.select(p, 1))
-        y = torch.mul(xf, cos, out=out if xf is x else xf)
+        # Into out only where it is float32 (else the product would be rounded to its dtype before the sum);
+        # where x is float32 and out is not, x is a float32 copy of the caller's (normed) that may be overwritten.
+        y = torch.mul(xf, cos, out=out if out.dtype == torch.float32 else xf)
         torch.add(y, swapped, out=out)  # the one rounding to out's dtype
 
     def rows_of(self, pool):
@@ -203,6 +210,7 @@ class Fast:
             flat.index_copy_(0, slots, rows)
         else:
             paged_view(pool, self.call.pool).index_put_(page_and_row(slots, self.call.pool.page_size), rows)
+        paths.took("torch_cpu.write")
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         # Few slots are read as Python ints (0.7 us; aminmax and int() cost 4).
@@ -220,7 +228,15 @@ class Fast:
         v3 = v if v.ndim == 3 else v[:, None]  # MLA: one latent head
         written = False
         x = self.fused_pairs(q, k) if q_out is None and k_out is None and q.shape[0] == 1 else None
-        if x is not None:  # one token's q and k heads in a row: rotated as one tensor, 5 torch ops instead of 10
+        if self.call.norm is not None:  # QK norm: q and k as one new tensor, normalised and rotated in place
+            k3, Hq = (k if k.ndim == 3 else k[:, None]), q.shape[1]
+            both = self.normed(torch.cat((q, k3), 1), Hq, positions)
+            q_rot, k_rot = both[:, :Hq], both[:, Hq:]
+            if q_out is not None:
+                q_rot = q_out.copy_(q_rot)
+            if k_out is not None:
+                k_rot = k_out.view(k3.shape).copy_(k_rot)
+        elif x is not None:  # one token's q and k heads in a row: rotated as one tensor, 5 torch ops instead of 10
             both = torch.empty(x.shape, dtype=q.dtype)
             self._block(x, *self.cos_sin(positions)[:2], both)
             # Its two parts, each contiguous (as_strided: one call, where a slice and a view are two).
@@ -242,6 +258,45 @@ class Fast:
             self.write(k_pool, k_rot, slots, keep)
             self.write(v_pool, v3, slots, keep)
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
+
+    def normed(self, x, Hq, positions):
+        """``[T, Hq + Hkv, D]`` x (q's heads, then k's: a tensor of ours) RMS-normalised and rotated in the
+        norm's order, in place: q and k as one tensor, half the torch ops of two. The norm is torch_eager's
+        (arraymath.normalize), with each head's gain: its results bit for bit."""
+        norm = self.call.norm
+        x32 = x.float()  # float32: x itself
+        if not norm.after_rope:
+            x32 = self.normalize(x32, Hq)
+        # Normalised after the rotation: rotated in float32 (x32 is ours), rounded once at the end.
+        rotated, xp, yp = self.pairs_of(x32, x32 if norm.after_rope else x)
+        if xp is not None:
+            self.rotate(xp, self.cos_sin(positions)[:2], yp)
+        if norm.after_rope:
+            x.copy_(self.normalize(rotated, Hq))
+        return x
+
+    def normalize(self, x32, Hq):
+        """arraymath.normalize's ``y * (offset + w)``, its product taken with ``gain``'s rows."""
+        y = arraymath.normalize(x32, None, self.call.norm, self.ops)
+        gain = self.gain(Hq, x32.shape[1] - Hq)
+        return y if gain is None else y.mul_(gain)
+
+    def gain(self, Hq, Hkv):
+        """The norm's weights as one ``[Hq + Hkv, D]`` float32 gain (``offset + w``; 1 for a head whose
+        weight is None), or None without weights; kept while the weights are unchanged (their versions)."""
+        weights = self.call.norm.weights  # the QKNorm's own tensors: the call keeps them alive, ids stay theirs
+        if weights[0] is None and weights[1] is None:
+            return None
+        try:
+            key = (Hq, Hkv, *(None if w is None else w._version for w in weights))
+        except RuntimeError:  # an inference tensor keeps no version: made per call
+            key = None
+        if key is None or self._gain[0] != key:
+            weights = [None if w is None else w.detach() for w in weights]
+            D = next(w for w in weights if w is not None).shape[0]
+            rows = [torch.ones(D) if w is None else self.ops.f32(w) + self.call.norm.weight_offset for w in weights]
+            self._gain = (key, torch.cat((rows[0].expand(Hq, D), rows[1].expand(Hkv, D))))
+        return self._gain[1]
 
     def compiled_step(self, qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole) -> bool:
         """The rotation of q and k: through torch_cpu_compiled where wanted, which also picks the cos/sin rows

@@ -16,30 +16,48 @@ handed to inductor directly. The code it generates reads each call's sizes
 and strides and asserts them against the traced layout before writing; what
 it does not check (the dtypes, the flip's axis, which outputs are their
 inputs) keys the cache, and each torch_cpu layout keeps its functions so that
-a call does not rebuild that key. A new function is checked once against the
-same function run as torch ops (every bit, NaN included); a mismatch or any
-failure to trace, compile or run warns once and leaves the ops to every later
-call.
+a call does not rebuild that key.
 
 Used from ``MIN_TOKENS`` tokens (one token's q and k are rotated as one tensor
-by five ops, as fast). ``ROPEPOOL_CPU_COMPILE=off`` turns it off. Each new
-graph (a dtype, with or without table rows, pool writes, in place) compiles
-for ~5 s; a key whose graph inductor has on disk takes ~0.5 s.
+by five ops, as fast). Compiling a graph takes seconds (~5 s; ~0.5 s where
+inductor has it on disk), so no call waits for it: a layout's calls run the
+torch ops until it has been seen ``COMPILE_AFTER`` times, then its graph
+compiles in a background thread (one log line on the ``ropepool`` logger
+when done) while the ops keep serving, and calls take it once it is there.
+``ROPEPOOL_CPU_COMPILE``: ``on`` (that, the default), ``off`` (never), or
+``sync`` (compile on a layout's first call, in the call: ahead of time for a
+warm-up run; logged when it takes over a second). ``wait()`` returns once
+no compile is under way. A new graph is checked once, on inputs of its
+own, against the same function run as torch ops (every bit, NaN included);
+a mismatch or any failure to trace, compile or run (these are private
+inductor APIs, ``make_fx`` and ``compile_fx``: a torch release may change
+them) warns once and leaves the ops to every later call.
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 import warnings
 
 import torch
 
+from . import paths
+
 # Never below 2: a symbolic size is traced as >= 2, so the code may assume it (sizes 0 and 1 are not symbolic).
 MIN_TOKENS = 2
+# Calls of one layout before its graph compiles (in the background): a layout called a few times in a
+# process would gain less from the graph (~2-10 us a call) than compiling costs (seconds of CPU).
+COMPILE_AFTER = 64
 _state = {"failed": False}
 # (flip axis, aliases, each tensor's dtype and layout past the token axis) -> inductor's compiled function
 # (a loaded module, no tensor); at most _MAX_COMPILED, past which it is emptied (inductor's disk cache refills it).
 _compiled: dict = {}
 _MAX_COMPILED = 256
+_pending: dict = {}  # key -> [(bound, known)] waiting for a background compile of that key
+_lock = threading.Lock()
+_log = logging.getLogger("ropepool")
 
 
 def _step(q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows, *, pair_dim: int):
@@ -57,13 +75,25 @@ def _step(q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows, *, 
         v_rows.index_copy_(0, rows, v)
 
 
+def mode() -> str:
+    """``ROPEPOOL_CPU_COMPILE``: "off", "sync" or "on" (anything else)."""
+    value = os.environ.get("ROPEPOOL_CPU_COMPILE", "on").lower()
+    return "off" if value in ("off", "0", "false") else "sync" if value == "sync" else "on"
+
+
 def enabled() -> bool:
-    return os.environ.get("ROPEPOOL_CPU_COMPILE", "on").lower() not in ("off", "0", "false") and not _state["failed"]
+    return not _state["failed"] and mode() != "off"
 
 
 def wanted(tokens: int) -> bool:
     """Whether a call of this many tokens goes through ``rotate``."""
     return tokens >= MIN_TOKENS and enabled()
+
+
+def wait() -> None:
+    """Return once no graph is compiling in the background (a warm-up before timing calls)."""
+    while _pending:
+        time.sleep(0.05)
 
 
 def _aliases(args) -> tuple:
@@ -75,6 +105,26 @@ def _aliases(args) -> tuple:
 def _key(args, pair_dim, aliases):
     return pair_dim, aliases, tuple(None if x is None else (x.dtype, x.shape[1:], x.stride()[1:], x.is_contiguous())
                                     for x in args)
+
+
+def _examples(args, aliases):
+    """Tensors of their own shaped and strided as the distinct ``args``, with values: random floats, table
+    positions, distinct slots of pools of a few rows (a graph is checked on these, never on a caller's data)."""
+    q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows = args
+    T, gen = q.shape[0], torch.Generator().manual_seed(0)
+    sizes = {9: 2 * T + 1, 10: 2 * T + 1}  # the pools: their row count is symbolic
+    out = {}
+    for i in sorted({i for i in aliases if i is not None}):
+        x = args[i]
+        t = torch.empty_strided((sizes.get(i, x.shape[0]), *x.shape[1:]), x.stride(), dtype=x.dtype)
+        if i == 6:
+            t.copy_(torch.randint(0, cos.shape[0], (T,), generator=gen))
+        elif i == 8:
+            t.copy_(torch.randperm(2 * T + 1, generator=gen)[:T])
+        else:
+            t.copy_(torch.randn(t.shape, generator=gen))
+        out[i] = t
+    return tuple(None if i is None else out[i] for i in aliases)
 
 
 def _compile(args, pair_dim, aliases):
@@ -102,9 +152,8 @@ def _same_bits(got, want) -> bool:
     return bool(((got == want) | (got.isnan() & want.isnan())).all())
 
 
-def _checked_run(fn, args, pair_dim) -> bool:
-    """Runs a new compiled function once; whether its results (outputs, written pool rows) are the ops' bit
-    for bit. Where not, they get the ops' results: an in-place call has overwritten its inputs by then."""
+def _checked(fn, args, pair_dim) -> bool:
+    """Whether ``fn``'s results (outputs, written pool rows) on ``args`` are the torch ops' bit for bit."""
     q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows = args
     q0, k0 = q.clone(), k.clone()
     fn(*args)
@@ -115,51 +164,94 @@ def _checked_run(fn, args, pair_dim) -> bool:
         rows = slots.long()
         got += [k_rows[rows], v_rows[rows]]
         want += [want[1].flatten(2), v]
-    if all(_same_bits(g, w) for g, w in zip(got, want)):
-        return True
-    q_out.copy_(want[0])
-    k_out.copy_(want[1])
-    if slots is not None:
-        k_rows.index_copy_(0, rows, want[2])
-        v_rows.index_copy_(0, rows, v)
-    return False
+    return all(_same_bits(g, w) for g, w in zip(got, want))
+
+
+def _build(key, args, pair_dim, aliases) -> None:
+    """Compile ``key``'s graph, check it on inputs of its own, and hand it to the layouts waiting for it
+    (or give up: the ops then serve every call)."""
+    t = time.perf_counter()
+    try:
+        fn = _compile(args, pair_dim, aliases)
+        if not _checked(fn, _examples(args, aliases), pair_dim):
+            _give_up("its results differ from the torch ops'")
+            return
+        if len(_compiled) >= _MAX_COMPILED:
+            _compiled.clear()
+        _compiled[key] = fn
+    except Exception as e:  # no compiler, a broken toolchain, a changed private API: the ops give the same numbers
+        _give_up(f"{type(e).__name__}: {e}")
+        return
+    finally:
+        with _lock:
+            waiting = _pending.pop(key, [])
+    for bound, known in waiting:
+        bound[known] = fn
+    seconds = time.perf_counter() - t
+    if seconds > 1:
+        _log.info("ropepool: compiled the CPU rotation of %s q/k%s in %.1f s (a layout called %s)", args[0].dtype,
+                  " and its pool writes" if args[8] is not None else "", seconds,
+                  "now: ROPEPOOL_CPU_COMPILE=sync" if mode() == "sync" else
+                  f"{COMPILE_AFTER} times; in the background, torch ops served the calls meanwhile")
 
 
 def rotate(q, k, cos, sin, pair_dim: int, q_out, k_out, bound: dict, positions=None, writes=None) -> bool:
     """``_step`` in one compiled call (``writes``: None or (v, slots, k_rows, v_rows)); False where it did
-    not run (compiling failed): the outputs and pools are then the caller's.
+    not run (not compiled yet, or compiling failed): the outputs and pools are then the caller's.
 
     ``bound``: the caller's functions for one layout of the arguments (torch_cpu.Fast's), by which outputs
-    are their inputs and which of positions and writes are given; working out the full key costs more than
-    the call (~15 us)."""
+    are their inputs and which of positions and writes are given, or the count of its calls until there is
+    one; working out the full key costs more than the call (~15 us)."""
     args = (q, k, cos, sin, q_out, k_out, positions, *(writes or (None,) * 4))
     known = (q_out.data_ptr() == q.data_ptr(), k_out.data_ptr() == k.data_ptr(), positions is None, writes is None)
-    try:
-        fn = bound.get(known)
-        if fn is not None:
-            fn(*args)  # inductor's code asserts every size and stride before it writes
-            return True
-        aliases = _aliases(args)
-        key = _key(args, pair_dim, aliases)
-        fn = _compiled.get(key)
-        if fn is not None:
-            fn(*args)
+    fn = bound.get(known, 0)
+    if not isinstance(fn, int):
+        return _run(fn, args)
+    sync = mode() == "sync"
+    if not sync and (fn + 1) % COMPILE_AFTER:  # not yet (and, while compiling, look again every so often)
+        bound[known] = fn + 1
+        return False
+    aliases = _aliases(args)
+    key = _key(args, pair_dim, aliases)
+    if key not in _compiled:
+        with _lock:
+            waiting = _pending.get(key)
+            if waiting is None:
+                _pending[key] = [(bound, known)]
+            else:
+                waiting.append((bound, known))
+        if waiting is not None:
+            bound[known] = fn + 1
+            return False
+        if sync:
+            _build(key, args, pair_dim, aliases)
         else:
-            fn = _compile(args, pair_dim, aliases)
-            if not _checked_run(fn, args, pair_dim):
-                return _give_up("its results differ from the torch ops'", done=True)
-            if len(_compiled) >= _MAX_COMPILED:
-                _compiled.clear()
-            _compiled[key] = fn
-        bound[known] = fn
-        return True
-    except Exception as e:  # no compiler, a broken toolchain, a changed private API: the ops give the same numbers
-        return _give_up(f"{type(e).__name__}: {e}", done=False)
+            # Daemon: a process that ends while it compiles does not wait for it.
+            threading.Thread(target=_build, args=(key, args, pair_dim, aliases), daemon=True,
+                             name="ropepool-compile").start()
+            bound[known] = fn + 1
+            return False
+    fn = _compiled.get(key)
+    if fn is None:  # it failed (and said so)
+        return False
+    bound[known] = fn
+    return _run(fn, args)
 
 
-def _give_up(problem: str, done: bool) -> bool:
+def _run(fn, args) -> bool:
+    try:
+        fn(*args)  # inductor's code asserts every size and stride before it writes
+    except Exception as e:  # a layout its asserts reject: the ops, from now on
+        _give_up(f"{type(e).__name__}: {e}")
+        return False
+    paths.took("torch_cpu.compiled_step")
+    if args[8] is not None:
+        paths.took("torch_cpu.compiled_write")
+    return True
+
+
+def _give_up(problem: str) -> None:
     _state["failed"] = True
     warnings.warn(f"ropepool: inductor's CPU rotation is not used ({problem}); using torch ops instead (slower "
                   "from 256 tokens on). Set ROPEPOOL_CPU_COMPILE=off to skip compiling.", RuntimeWarning,
                   stacklevel=6)
-    return done
