@@ -4,11 +4,12 @@ Per attention layer and step, when the call comes from continuous batching
 (a ``PagedAttentionCache`` in the layer's kwargs):
 
 1. a forward pre-hook on the attention module hands transformers an identity
-   rotation (``position_embeddings`` = cos 1, sin 0, so its own
-   ``apply_rotary_pos_emb`` returns q and k unchanged) and takes the cache out
-   of the kwargs (so its ``cache.update`` writes nothing), passing it on as
-   ``ropepool_cache``; forward hooks make the layer's own ``q_norm``/``k_norm``
-   return their input while the layer runs, since ropepool fuses the norm;
+   rotation (``position_embeddings`` = cos 1, sin 0; the family's
+   ``apply_rotary_pos_emb``, wrapped once, returns q and k as they are for
+   it, without computing) and takes the cache out of the kwargs (so its
+   ``cache.update`` writes nothing), passing it on as ``ropepool_cache``; the
+   layer's own ``q_norm``/``k_norm`` return their input while the layer runs
+   (an instance ``forward``), since ropepool fuses the norm;
 2. the attention function transformers dispatches to, registered with
    ``AttentionInterface`` as a wrapper of its own, finds ``ropepool_cache``
    and makes ONE ``rope_pool_fused`` call: norm, RoPE on q and k, and the k/v
@@ -25,6 +26,7 @@ through every hook and wrapper untouched.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 from ...api import rope_pool_fused
@@ -38,6 +40,7 @@ HOSTED = ("sdpa", "paged|sdpa", "paged|eager")
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> model.Layer
 _FUSING: weakref.WeakSet = weakref.WeakSet()  # attention modules inside a fused step (their norms pass through)
 _IDENTITY: dict = {}  # (dtype, device) -> (cos, sin) of the identity rotation
+_IDENTITY_SIN: set = set()  # their sin tensors' ids (they live as long as _IDENTITY)
 
 
 def install_attention_functions() -> None:
@@ -67,10 +70,10 @@ def _wrap(original):
         cache = kwargs.pop("ropepool_cache", None)
         if cache is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
-        query, key, value = fused_step(_LAYERS[module], cache, query, key, value, kwargs)
+        query, (k_all, v_all) = fused_step(_LAYERS[module], cache, query, key, value, kwargs)
         # transformers 5.17's paged functions read K/V through cache.update; later ones take them as arguments.
-        kwargs["cache"] = _Written(key[0].transpose(0, 1), value[0].transpose(0, 1))
-        return original(module, query, key, value, attention_mask, *args, **kwargs)
+        kwargs["cache"] = _Written(k_all, v_all)
+        return original(module, query, _heads_first(k_all), _heads_first(v_all), attention_mask, *args, **kwargs)
 
     attention.__ropepool_wraps__ = original
     attention.__name__ = f"ropepool_{getattr(original, '__name__', 'attention')}"
@@ -81,17 +84,22 @@ def fused_step(layer, cache, query, key, value, kwargs):
     """q/k norm, RoPE and the cache write in one ``rope_pool_fused`` call, then the rows attention reads.
 
     ``query``, ``key``, ``value``: ``[1, heads, T, head_dim]`` as transformers hands them to attention
-    (unrotated, unnormalised); returns q rotated and K, V of every row read, in the same layout.
+    (unrotated, unnormalised); returns q rotated in that layout and (K, V) of every row read as
+    ``[rows, heads, head_dim]``. The step's positions and slots are worked out once per step, for all layers.
     """
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D] views
+    q, k, v = (x.select(0, 0).transpose(0, 1) for x in (query, key, value))  # [T, heads, D] views
     kv = paged.layer_kv(cache, layer.index, kwargs)
     old = kv.read_before_write()
     q_rot, k_rot, _, _ = rope_pool_fused(
-        q, k, v, kwargs["position_ids"][0], kv.slots, kv.k_pool, kv.v_pool, head_dim=q.shape[-1],
+        q, k, v, kv.positions, kv.slots, kv.k_pool, kv.v_pool, head_dim=q.shape[-1],
         num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=layer.rope, qk_norm=layer.norm,
         backend=layer.backend)
-    k_all, v_all = kv.read(old, k_rot, v)
-    return q_rot.transpose(0, 1)[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]
+    return _heads_first(q_rot), kv.read(old, k_rot, v)
+
+
+def _heads_first(x):
+    """``[T, heads, D]`` as ``[1, heads, T, D]`` (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
 
 
 class _Written:
@@ -114,9 +122,10 @@ def attach(layers: dict) -> list:
         handles.append(module.register_forward_hook(_leave, always_call=True))
         if isinstance(layer, latent.LatentLayer):
             handles += latent.attach(module)
-        elif layer.norm is not None:
-            for norm in (module.q_norm, module.k_norm):
-                handles.append(norm.register_forward_hook(_norm_passthrough(module)))
+            continue
+        _skip_identity_rotation(type(module))
+        if layer.norm is not None:
+            handles += [_NormPassthrough(norm, module) for norm in (module.q_norm, module.k_norm)]
     return handles
 
 
@@ -149,6 +158,7 @@ def _enter(module, args, kwargs):
     key = (cos.dtype, cos.device, cos.shape[-1])
     if key not in _IDENTITY:  # as wide as cos: DeepSeek's interleaved rotation slices it in halves
         _IDENTITY[key] = (cos.new_ones((1, 1, cos.shape[-1])), cos.new_zeros((1, 1, cos.shape[-1])))
+        _IDENTITY_SIN.add(id(_IDENTITY[key][1]))
     kwargs["position_embeddings"] = _IDENTITY[key]
     layer = _LAYERS[module]
     if isinstance(layer, latent.LatentLayer):  # the module writes through cache.update: ropepool's call (latent.py)
@@ -164,10 +174,42 @@ def _leave(module, args, output):
     latent.leave(module)
 
 
-def _norm_passthrough(attention_module):
-    ref = weakref.ref(attention_module)
+class _NormPassthrough:
+    """The norm module's forward returns its input while its attention module is in a fused step (ropepool
+    normalises): an instance ``forward``, so that the norm's own arithmetic does not run at all (a forward
+    hook would replace its output after computing it). ``remove()`` puts the module's own forward back."""
 
-    def hook(norm, args, output):
-        return args[0] if ref() in _FUSING else None
+    def __init__(self, norm, attention_module):
+        ref, own = weakref.ref(attention_module), norm.forward
 
-    return hook
+        def forward(x, *args, **kwargs):
+            return x if ref() in _FUSING else own(x, *args, **kwargs)
+
+        self.norm, self.had = norm, norm.__dict__.get("forward")
+        norm.forward = self.forward = forward
+
+    def remove(self):
+        if self.norm.__dict__.get("forward") is self.forward:
+            if self.had is None:
+                del self.norm.forward
+            else:
+                self.norm.forward = self.had
+
+
+def _skip_identity_rotation(module_class) -> None:
+    """Wrap the ``apply_rotary_pos_emb`` of the module's modeling file (once per process) so that with the
+    identity rotation ``_enter`` hands over it returns q and k untouched: transformers' own RoPE would
+    otherwise still run, as about ten ops per layer and step that change nothing. Any other call passes
+    through to transformers' function (or the kernels hub's wrapper of it)."""
+    modeling = sys.modules.get(module_class.__module__)
+    original = getattr(modeling, "apply_rotary_pos_emb", None)
+    if original is None or hasattr(original, "__ropepool_wraps__"):
+        return
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if id(sin) in _IDENTITY_SIN:
+            return q, k
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.__ropepool_wraps__ = original
+    modeling.apply_rotary_pos_emb = apply_rotary_pos_emb

@@ -35,6 +35,7 @@ class LayerKV:
 
     k_pool: torch.Tensor  # [rows, num_kv_heads, head_dim]
     v_pool: torch.Tensor
+    positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] rows to write; transformers' write trash is turned into -1 (skip)
     read_index: torch.Tensor  # rows attention reads ([] when the step reads nothing from the cache)
     sentinel: int | None  # sliding layers: read_index entries that stand for this step's tokens
@@ -76,9 +77,19 @@ def layer_kv(cache, layer: int, kwargs: dict) -> LayerKV:
     if layer not in views:
         views[layer] = _pools(cache, layer)
     k_pool, v_pool = views[layer]
-    write = kwargs["write_index"][group]
-    return LayerKV(k_pool, v_pool, write.masked_fill(write == trash, -1), kwargs["read_index"][group],
-                   sentinel if sliding else None)
+    # Once per step, for all its layers: transformers builds a new write_index list of new views each step,
+    # and _STEP keeps the last list and view alive, so no later step's can have their identities.
+    writes = kwargs["write_index"]
+    if _STEP[0] is not writes or _STEP[1] is not writes[0]:
+        _STEP[:] = [writes, writes[0], kwargs["position_ids"].select(0, 0), {}]
+    slots = _STEP[3].get(group)
+    if slots is None:
+        write = writes[group]
+        slots = _STEP[3][group] = write.masked_fill(write == trash, -1)
+    return LayerKV(k_pool, v_pool, _STEP[2], slots, kwargs["read_index"][group], sentinel if sliding else None)
+
+
+_STEP: list = [None, None, None, {}]  # the step's write_index list, its first view, positions [T], {group: slots}
 
 
 def _pools(cache, layer: int):
