@@ -330,3 +330,34 @@ def test_fused_qk_of_one_token(spy, rng, fast_writes):
                                                                            slots), rope=rope)
         assert res.q_rot.is_contiguous() and res.k_rot.is_contiguous()
     assert [x is not None for x in fused] == [True, False, False] and fast_writes[OPS] == 8
+
+
+def test_a_steps_arrays_are_checked_and_rotated_once(spy, rng):
+    """Positions and slots a serving step registers (values.STEP) have their values checked and their
+    cos/sin made once for every layer's call, with the oracle's results; an unregistered array, even
+    equal, is checked in full; the next step starts afresh."""
+    from ropepool import RopePoolError
+    from ropepool.values import STEP
+
+    computed = spy("_cos_sin")
+    T, Hq, Hkv, D, P = 5, 2, 1, 64, 32
+    positions, slots = torch.from_numpy(make_positions(rng, T)), torch.from_numpy(make_slots(rng, T, P))
+
+    def layer(pos, slt):
+        q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "float32")
+        run_checked(X, q, k, v, pos, slt, poison(make_cache(rng, "float32", P, Hkv, D), slt.numpy()))
+
+    try:
+        STEP.begin(positions, slots)
+        for _ in range(3):
+            layer(positions, slots)
+        assert len(computed) == 1, "cos/sin once for the step's three layers"
+        bad = slots.clone()
+        bad[1] = bad[0] = 3  # not the step's array: checked, though the step's passed
+        with pytest.raises(RopePoolError, match="unique"):
+            layer(positions, bad)
+        STEP.begin(positions.clone(), slots)  # the next step
+        layer(STEP.arrays[0], slots)
+        assert len(computed) == 2
+    finally:
+        STEP.begin()

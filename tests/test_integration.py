@@ -165,6 +165,8 @@ def test_generate_batch_through_ropepool_equals_transformers(family, attn_implem
 
     rp.disable(model)
     assert generate_batch(model, prompts)[0] == shipped[0] and len(spy.calls) == n
+    # enable() gave the norms an instance forward that passes their input through in a fused step
+    assert not any("forward" in vars(m) for m in model.modules()), "disable() puts the modules' forward back"
 
 
 def test_a_wrong_rotation_is_caught(monkeypatch):

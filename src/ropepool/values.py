@@ -34,8 +34,42 @@ def _few_fine(positions, slots, pool_size: int, max_position: int | None) -> boo
     return not used or (max(used) < pool_size and len(set(used)) == len(used))
 
 
+class Step:
+    """Arrays a serving step passes to every layer's call, unchanged until the next step (``begin``).
+
+    An engine integration that makes one positions array (and one slots array per group of layers) per
+    step registers them with ``begin``; calls given exactly these objects then check their values once
+    per step, and the CPU path makes their cos/sin once per step (``memo``), for every layer. The
+    caller promises not to change them until it calls ``begin`` again; nothing else is ever reused (an
+    array not registered, however equal, is checked and computed in full). The registry keeps the
+    arrays alive, so no other array can take their identity.
+    """
+
+    def __init__(self):
+        self.arrays: tuple = ()
+        self.memo: dict = {}
+
+    def begin(self, *arrays) -> None:
+        self.arrays, self.memo = arrays, {}
+
+    def holds(self, *arrays) -> bool:
+        return all(any(x is y for y in self.arrays) for x in arrays)
+
+
+STEP = Step()
+
+
 def check_values(positions, slots, pool_size: int, max_position: int | None = None) -> None:
     """Slots in ``[0, pool_size)`` or negative (skip), no slot twice, positions >= 0 (and in the table)."""
+    step = STEP.holds(positions, slots) and ("checked", id(positions), id(slots), pool_size, max_position)
+    if step and step in STEP.memo:
+        return
+    _check_values(positions, slots, pool_size, max_position)
+    if step:
+        STEP.memo[step] = True
+
+
+def _check_values(positions, slots, pool_size: int, max_position: int | None = None) -> None:
     if slots.shape[-1] <= _FEW and _few_fine(positions, slots, pool_size, max_position):
         return
     pos = np.asarray(positions.cpu() if hasattr(positions, "cpu") else positions)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import page_and_row, paged_view
+from ..values import STEP
 from . import arraymath, paths, torch_cpu_compiled
 
 # A block of tokens: about 128K floats (512 KB); of 16K-256K, measured fastest on a
@@ -79,6 +80,7 @@ class Fast:
         self.cs_shape = (-1, 1, r // 2, 1) if gptj else (-1, 1, 1, r // 2)
         self.sign = torch.tensor([-1.0, 1.0]).view((1, 2) if gptj else (2, 1))
         self.freqs = None if freqs is None else [f.view(self.cs_shape[2:]) for f in freqs]  # None with a table
+        self.source = freqs if freqs is not None else self.rot.table  # what cos/sin are made of
         # The table's values are those computed per call only where each call's T * r/2 angles take torch's
         # vector cos/sin (ATen computes a tail of < 32 floats with libm's): r/2 a multiple of 32.
         self.tables = None if freqs is None or (r // 2) % 32 else _tables_of(freqs)
@@ -95,7 +97,17 @@ class Fast:
     def cos_sin(self, positions, pick=True):
         """float32 ``cos`` and ``-sin, sin``, shaped to broadcast over ``x`` seen as ``[T, H, *pairs]``, and
         None; or, with ``pick=False`` where a table holds them, that table's two parts and the positions whose
-        rows they are (the compiled rotation picks them itself)."""
+        rows they are (the compiled rotation picks them itself). Positions a serving step registered
+        (values.STEP) get them once per step for every layer of this rotation."""
+        if STEP.holds(positions):
+            key = ("cos_sin", id(positions), self.source, self.cs_shape, self.rot.attention_scaling, pick)
+            hit = STEP.memo.get(key)
+            if hit is None or hit[0] is not self.source:  # (the entry keeps its source alive: ids stay theirs)
+                hit = STEP.memo[key] = (self.source, self._cos_sin(positions, pick))
+            return hit[1]
+        return self._cos_sin(positions, pick)
+
+    def _cos_sin(self, positions, pick):
         rot = self.rot
         if rot.table is not None:
             half = rot.rotary_dim // 2

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import RopePoolError
+from ...values import STEP
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,12 @@ def layer_kv(cache, layer: int, kwargs: dict) -> LayerKV:
     writes = kwargs["write_index"]
     if _STEP[0] is not writes or _STEP[1] is not writes[0]:
         _STEP[:] = [writes, writes[0], kwargs["position_ids"].select(0, 0), {}]
+        STEP.begin(_STEP[2])
     slots = _STEP[3].get(group)
     if slots is None:
         write = writes[group]
         slots = _STEP[3][group] = write.masked_fill(write == trash, -1)
+        STEP.begin(*STEP.arrays, slots)  # the step's arrays: values checked, cos/sin made once (values.Step)
     return LayerKV(k_pool, v_pool, _STEP[2], slots, kwargs["read_index"][group], sentinel if sliding else None)
 
 
