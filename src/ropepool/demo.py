@@ -6,8 +6,11 @@ downloaded). The same prompts go through transformers' continuous batching
 (``ContinuousBatchingManager``, the engine behind ``generate_batch``) twice:
 as transformers ships it, and after ``ropepool.integrations.transformers.enable``,
 where every attention layer's q/k norm, RoPE and paged-cache write is one
-``rope_pool_fused`` call. Both runs are greedy; the demo prints tokens/s for
-each and whether the tokens match.
+``rope_pool_fused`` call. Both runs are greedy; after one untimed run of
+each, ``--repeats`` timed runs of each alternate, and the demo prints the
+median tokens/s of each with its min-max, their ratio, whether the tokens
+match, and for each model ropepool does not serve faster, that it does not
+and why.
 
 Pass/fail. In float32 every token must be identical and the log-probability
 of each chosen token within ``LOGPROB_TOL``. In bfloat16 / float16 the two
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -93,10 +97,20 @@ class Run:
     tokens: list  # per request
     logprobs: list
     seconds: float  # from the first request queued to the last one finished
+    cpu_seconds: float = 0.0  # the process's CPU time meanwhile (all its threads)
 
     @property
     def generated(self) -> int:
         return sum(map(len, self.tokens))
+
+    @property
+    def tok_s(self) -> float:
+        """Tokens per second of the process's CPU time on CPU (wall time on a machine shared with other work
+        swings by 2-4x between runs; CPU time counts the work, every thread's), of wall time on a GPU."""
+        return self.generated / (self.cpu_seconds if CPU_TIME[0] else self.seconds)
+
+
+CPU_TIME = [True]  # compare() sets it per device
 
 
 def run_batch(model, prompts, new_tokens: int, config=None, advance=lambda: None) -> Run:
@@ -105,7 +119,7 @@ def run_batch(model, prompts, new_tokens: int, config=None, advance=lambda: None
 
     with model.continuous_batching_context_manager(generation_config=model.generation_config, block=True, timeout=5,
                                                     continuous_batching_config=config or batching_config()) as mgr:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ids = mgr.add_requests(inputs=prompts, max_new_tokens=new_tokens)
         done = {}
         while len(done) < len(ids):
@@ -119,8 +133,8 @@ def run_batch(model, prompts, new_tokens: int, config=None, advance=lambda: None
                 raise RuntimeError("transformers' generation thread stopped; see the log above")
         if model.device.type == "cuda":
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-    return Run([done[i].generated_tokens for i in ids], [done[i].logprobs for i in ids], seconds)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return Run([done[i].generated_tokens for i in ids], [done[i].logprobs for i in ids], seconds, cpu)
 
 
 def first_difference(a: list, b: list) -> int | None:
@@ -132,8 +146,16 @@ def first_difference(a: list, b: list) -> int | None:
 class Comparison:
     family: str
     dtype: str
-    plain: Run  # transformers as shipped
-    fused: Run  # after enable(model)
+    plains: list  # transformers as shipped: the timed runs (Run)
+    fuseds: list  # after enable(model), interleaved with them
+
+    @property
+    def plain(self) -> Run:
+        return self.plains[0]
+
+    @property
+    def fused(self) -> Run:
+        return self.fuseds[0]
 
     @property
     def diverged_at(self) -> list:
@@ -152,47 +174,130 @@ class Comparison:
         same = all(d is None for d in self.diverged_at) or self.dtype != "float32"
         return same and self.max_logprob_diff <= LOGPROB_TOL[self.dtype]
 
+    @property
+    def speedup(self) -> float:
+        """Median tokens/s through ropepool over median tokens/s as shipped."""
+        return statistics.median(r.tok_s for r in self.fuseds) / statistics.median(r.tok_s for r in self.plains)
+
+    @property
+    def verdict(self) -> str:
+        """"faster" or "slower" by the medians; "within spread" where the slower median lies inside the other
+        path's min-max."""
+        p, f = [r.tok_s for r in self.plains], [r.tok_s for r in self.fuseds]
+        if self.speedup >= 1:
+            return "faster" if statistics.median(f) > max(p) else "faster, within spread"
+        return "slower, within spread" if statistics.median(f) >= min(p) else "slower"
+
+    def record(self) -> dict:
+        return {"family": self.family, "dtype": self.dtype, "requests": len(self.plain.tokens),
+                "tokens": self.fused.generated, "identical": all(d is None for d in self.diverged_at),
+                "max_logprob_diff": self.max_logprob_diff, "ok": self.ok,
+                "plain_s": [r.seconds for r in self.plains], "fused_s": [r.seconds for r in self.fuseds],
+                "plain_cpu_s": [r.cpu_seconds for r in self.plains],
+                "fused_cpu_s": [r.cpu_seconds for r in self.fuseds]}
+
 
 def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prompt_lengths=PROMPT_LENGTHS,
-            repeats: int = 3, advance=lambda: None) -> Comparison:
-    """One family through transformers' batching as shipped and through ropepool, ``repeats`` times each in
-    turn; the model and prompts are the same. Tokens are those of the first runs, the time the fastest run's
-    (the first run of each also compiles kernels and fills caches)."""
+            repeats: int = 5, advance=lambda: None) -> Comparison:
+    """One family through transformers' batching as shipped and through ropepool, in turn: one untimed run
+    of each (it fills caches and starts the compiles the CPU path runs in the background, which are waited
+    for), then ``repeats`` timed runs of each, interleaved, on the same model and prompts."""
+    from .backends import torch_cpu_compiled
     from .integrations import transformers as rp
 
     model = build_model(family, dtype=dtype, device=device)
+    CPU_TIME[0] = model.device.type == "cpu"
     prompts = make_prompts(model.config.vocab_size, prompt_lengths)
     # transformers' manager runs gc.collect() twice when it stops: over the heap of torch and transformers
     # that takes about a second. Freezing what exists now (nothing here is garbage) makes it instant.
     gc.freeze()
     plain, fused = [], []
-    for _ in range(repeats):
+    for i in range(repeats + 1):
         plain.append(run_batch(model, prompts, new_tokens, advance=advance))
         rp.enable(model)
         try:
             fused.append(run_batch(model, prompts, new_tokens, advance=advance))
         finally:
             rp.disable(model)
-    fastest = lambda runs: Run(runs[0].tokens, runs[0].logprobs, min(r.seconds for r in runs))
-    return Comparison(family, str(model.dtype).rsplit(".", 1)[-1], fastest(plain), fastest(fused))
+        if i == 0:
+            torch_cpu_compiled.wait()
+    return Comparison(family, str(model.dtype).rsplit(".", 1)[-1], plain[1:], fused[1:])
+
+
+def _tok_s(runs) -> str:
+    values = [r.tok_s for r in runs]
+    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+
+
+# Why ropepool can lose a model here: what is measured is the whole serving step.
+WHY_SLOWER = {
+    "cpu": "these models are tiny (hidden size 64, 2-3 layers), so a step is host time, a few microseconds per "
+           "small torch op; per layer ropepool's one call (value checks, plan lookup, cos/sin, norm, rotation, "
+           "pool write: some 20 small ops and their Python) replaces transformers' eager norm, RoPE and cache "
+           "write, a similar number of small ops, so the two cost about the same and a shared machine's noise "
+           "decides",
+    "cuda": "on a GPU these tiny models' steps are launch-bound: one Triton launch replaces a few small "
+            "kernels, a few microseconds per layer",
+}
 
 
 def render(results: list, device: str):
     from rich.table import Table
 
-    table = Table(title=f"transformers continuous batching on {device}: as shipped vs through ropepool")
-    for col in ("model", "dtype", "requests", "tokens", "transformers tok/s", "ropepool tok/s", "tokens match",
-                "max |Δ logprob|"):
+    runs = len(results[0].plains) if results else 0
+    clock = "process CPU time" if CPU_TIME[0] else "wall time"
+    table = Table(title=f"transformers continuous batching on {device}: as shipped vs through ropepool "
+                        f"(tokens/s of {clock}: median and min-max of {runs} interleaved runs)")
+    for col in ("model", "dtype", "tokens", "transformers tok/s", "ropepool tok/s", "ropepool / transformers",
+                "tokens match", "max |Δ logprob|"):
         table.add_column(col, justify="left" if col in ("model", "dtype", "tokens match") else "right")
     for c in results:
         div = [d for d in c.diverged_at if d is not None]
         n = len(c.diverged_at)
         match = "identical" if not div else f"{n - len(div)}/{n} identical, first divergence at step {min(div)}"
         verdict = "[green]ok[/]" if c.ok else "[red]MISMATCH[/]"
-        table.add_row(c.family, c.dtype, str(len(c.plain.tokens)), str(c.fused.generated),
-                      f"{c.plain.generated / c.plain.seconds:.0f}", f"{c.fused.generated / c.fused.seconds:.0f}",
-                      f"{match} {verdict}", f"{c.max_logprob_diff:.1e}")
+        table.add_row(c.family, c.dtype, str(c.fused.generated), _tok_s(c.plains), _tok_s(c.fuseds),
+                      f"{c.speedup:.2f}x ({c.verdict})", f"{match} {verdict}", f"{c.max_logprob_diff:.1e}")
     return table
+
+
+def losses(results: list, device: str) -> str | None:
+    """A line naming each model ropepool served slower (and ties), and why; None where it won them all."""
+    slower = [f"{c.family} {c.dtype} {c.speedup:.2f}x{' (within spread)' if 'spread' in c.verdict else ''}"
+              for c in results if c.speedup < 1]
+    if not slower:
+        return None
+    why = WHY_SLOWER.get(str(device).split(":")[0], "")
+    return f"ropepool serves slower on {device} for {', '.join(slower)}" + (f": {why}." if why else ".")
+
+
+def record(results: list, device: str, note: str | None) -> dict:
+    """The demo's record (docs/bench/): versions, device, date, commit and every run's seconds."""
+    import importlib.metadata as md
+    import platform
+    import subprocess
+
+    import torch
+
+    from ._version import __version__
+    from .bench_report import cpu_name
+
+    env = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "device": str(device),
+           "torch": torch.__version__, "transformers": md.version("transformers"), "ropepool": __version__,
+           "threads": torch.get_num_threads(),
+           "prompts": list(PROMPT_LENGTHS), "max_batch_tokens": MAX_BATCH_TOKENS}
+    if str(device).startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        env["cpu"] = cpu_name()
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                       cwd=__file__.rsplit("/", 1)[0]).stdout.strip() or None
+    except OSError:
+        env["commit"] = None
+    if note:
+        env["note"] = note
+    return {"env": env, "demo": [c.record() for c in results]}
 
 
 def main(argv=None) -> int:
@@ -209,8 +314,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=tuple(LOGPROB_TOL), default="float32",
                    help="model dtype (default float32, where the tokens must be identical)")
     p.add_argument("--new-tokens", type=count, default=16, help="tokens to generate per request (default 16)")
-    p.add_argument("--repeats", type=count, default=3,
-                   help="runs of each path, alternating; tokens/s is the fastest run's (default 3)")
+    p.add_argument("--repeats", type=count, default=5,
+                   help="timed runs of each path, interleaved, after an untimed one; tokens/s is their median, "
+                        "with the min-max (default 5)")
+    p.add_argument("--out", default=None, help="also write the runs as a record to OUT.json")
+    p.add_argument("--note", default=None, help="a note stored in the record (where and how it was measured)")
     a = p.parse_args(argv)
     device = torch_device(p, a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from rich.console import Console
@@ -224,13 +332,23 @@ def main(argv=None) -> int:
     try:
         with Progress(console=console, transient=False) as progress:
             for family in a.families:
-                task = progress.add_task(f"{family}: requests", total=2 * a.repeats * len(PROMPT_LENGTHS))
+                task = progress.add_task(f"{family}: requests", total=2 * (a.repeats + 1) * len(PROMPT_LENGTHS))
                 results.append(compare(family, device=device, dtype=getattr(torch, a.dtype),
                                        new_tokens=a.new_tokens, repeats=a.repeats,
                                        advance=lambda task=task: progress.advance(task)))
     finally:
         gc.unfreeze()  # let the interpreter free it all at exit
     console.print(render(results, device))
+    lost = losses(results, device)
+    if lost:
+        console.print(lost)
+    if a.out:
+        import json
+
+        path = a.out if a.out.endswith(".json") else a.out + ".json"
+        with open(path, "w") as f:
+            json.dump(record(results, device, a.note), f, indent=1)
+        console.print(f"wrote {path}")
     failed = [c.family for c in results if not c.ok]
     if failed:
         console.print(f"[red]mismatch: {', '.join(failed)}[/]")
