@@ -245,13 +245,34 @@ def test_qk_norm_on_the_fast_path(dtype, name, T, rng, fast_writes):
     assert fast_writes[OPS] == 2
 
 
+SCALES = {"floats": (0.37, 0.61), "per-head": (np.array([0.37, 1.9, 0.05], np.float32), 0.5),
+          "one-element": (np.array([0.25], np.float32), np.array([2.5], np.float32))}
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("fp8,scales", [("float8_e4m3fn", "floats"), ("float8_e4m3fn", "per-head"),
+                                        ("float8_e5m2", "one-element")])
+@pytest.mark.parametrize("T", [1, 9])
+def test_fp8_pools_on_the_fast_path(dtype, layout, fp8, scales, T, rng, fast_writes):
+    """fp8 pools (value / scale, saturated; scales as floats, per head, one element) on the fast path, pool
+    rows bit for bit the oracle's quantized rows, skipped tokens untouched."""
+    Hq, Hkv, D, P = 4, 3, 64, 40
+    q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
+    slots = make_slots(rng, T, P, skip_every=4 if T > 1 else 0)  # (one skipped token would write nothing)
+    cache = poison(make_cache(rng, fp8, P, Hkv, D, **LAYOUTS[layout]), slots)
+    k_scale, v_scale = SCALES[scales]
+    run_checked(X, q, k, v, make_positions(rng, T), slots, cache, k_scale=k_scale, v_scale=v_scale)
+    assert fast_writes[OPS] == 2
+
+
 def test_uncovered_features_take_the_general_path(rng, fast_writes):
-    """An fp8 pool is not the fast path's: the call runs (checked) on torch_eager."""
-    T, Hq, Hkv, D, P = 5, 2, 1, 32, 8
+    """MRoPE positions are not the fast path's: the call runs (checked) on torch_eager."""
+    T, Hq, Hkv, D, P = 5, 2, 1, 64, 8
     q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "bfloat16")
     slots = make_slots(rng, T, P)
-    cache = make_cache(rng, "float8_e4m3fn", P, Hkv, D)
-    run_checked(X, q, k, v, make_positions(rng, T), slots, cache, k_scale=0.5, v_scale=0.5)
+    run_checked(X, q, k, v, make_positions(rng, 3 * T).reshape(3, T), slots, make_cache(rng, "bfloat16", P, Hkv, D),
+                rope=RopeSpec(head_dim=D, mrope_section=(8, 12, 12)))
     assert fast_writes[OPS] == 0
 
 

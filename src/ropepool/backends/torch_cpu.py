@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import FP8_MAX
 from ..layout import page_and_row, paged_view
 from ..values import STEP
 from . import arraymath, paths, torch_cpu_compiled
@@ -46,9 +47,14 @@ _table_bytes = [0]
 def covers(call, arrays) -> bool:
     """Whether this path runs a call with these arrays (else torch_eager's general code does)."""
     q = arrays[0]
-    return (q.device.type == "cpu" and not (call.fp8 or call.q_fp8 or call.k_fp8)
+    return (q.device.type == "cpu" and not (call.per_token_head or call.q_fp8 or call.k_fp8)
             and call.rotation.mrope_section is None and not torch.compiler.is_compiling()
             and not any(x is not None and x.requires_grad for x in arrays[:3]))
+
+
+def _scale(scale):
+    """A pool's scale as torch_eager divides by it (as_tensor_scale): a float as a float32 tensor."""
+    return scale if isinstance(scale, torch.Tensor) else torch.full((), scale, dtype=torch.float32)
 
 
 def _tables_of(freqs) -> dict:
@@ -93,6 +99,8 @@ class Fast:
 
         self.ops = TorchOps  # the QK norm's operations
         self._gain = (None, None)  # gain's key and value
+        # fp8 pools: k's and v's scales as torch_eager divides by them
+        self.scales = [_scale(s) for s in (call.k_scale, call.v_scale)] if call.fp8 else None
 
     def cos_sin(self, positions, pick=True):
         """float32 ``cos`` and ``-sin, sin``, shaped to broadcast over ``x`` seen as ``[T, H, *pairs]``, and
@@ -211,11 +219,17 @@ class Fast:
         view = paged_view(pool, self.call.pool)
         return view.flatten(0, 1) if view.stride(0) == view.shape[1] * view.stride(1) else None
 
-    def write(self, pool, rows, slots, keep):
-        """``rows [T, H, dim]`` into the pool at ``slots`` (int64); ``keep``: the tokens written (None: all)."""
+    def write(self, pool, rows, slots, keep, scale=None):
+        """``rows [T, H, dim]`` into the pool at ``slots`` (int64); ``keep``: the tokens written (None: all).
+        An fp8 pool stores ``rows / scale`` saturated, as torch_eager quantizes (arraymath.quantize), its
+        bytes copied (index_copy_ has no fp8 kernels)."""
         if keep is not None:
             rows, slots = rows[keep], slots[keep]
-        if rows.dtype != pool.dtype:
+        if self.call.fp8:
+            scale = self.scales[scale]
+            rows = arraymath.quantize(rows.float(), scale, FP8_MAX[self.call.fp8], self.ops).to(pool.dtype)
+            pool, rows = pool.view(torch.uint8), rows.view(torch.uint8)
+        elif rows.dtype != pool.dtype:
             rows = rows.to(pool.dtype)
         flat = self.rows_of(pool)
         if flat is not None:  # one index a slot
@@ -262,13 +276,14 @@ class Fast:
             if qx is not None:
                 # k_rot is ky, every token written, and few tokens: from 256 inductor's scatter is slower
                 # than index_copy_ (measured), below the two ops cost more than the rows.
-                whole = lo >= 0 and self.rot.rotary_dim == k3.shape[2] and q.shape[0] <= _TABLE_TOKENS
+                whole = lo >= 0 and self.rot.rotary_dim == k3.shape[2] and q.shape[0] <= _TABLE_TOKENS and \
+                    not self.call.fp8
                 written = self.compiled_step(qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole)
         if not written:
             slots = slots.long()  # index_copy_'s index type
             keep = None if lo >= 0 else slots >= 0  # a negative slot skips the token's write
-            self.write(k_pool, k_rot, slots, keep)
-            self.write(v_pool, v3, slots, keep)
+            self.write(k_pool, k_rot, slots, keep, 0)
+            self.write(v_pool, v3, slots, keep, 1)
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
 
     def normed(self, x, Hq, positions):
