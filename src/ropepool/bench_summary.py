@@ -47,7 +47,8 @@ from pathlib import Path
 from ropepool.bench_records import ROOT, Cell, Ratios, Record, Records
 
 DOCS = ("README.md", "docs/benchmarks.md", "docs/benchmarks_features.md", "docs/mlx.md")
-BLOCK_MODULES = ("ropepool.bench_blocks", "ropepool.bench_blocks_cpu", "ropepool.bench_blocks_runs")
+BLOCK_MODULES = ("ropepool.bench_blocks", "ropepool.bench_blocks_cpu", "ropepool.bench_blocks_runs",
+                 "ropepool.bench_blocks_demo")
 
 BLOCKS: dict[str, Callable[..., str]] = {}
 MARKER = re.compile(r"<!-- summary:(?P<name>[\w-]+)(?P<args>[^>]*?) -->\n(?P<body>.*?)<!-- /summary:(?P=name) -->",
