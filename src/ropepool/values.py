@@ -53,7 +53,8 @@ class Step:
         self.arrays, self.memo = arrays, {}
 
     def holds(self, *arrays) -> bool:
-        return all(any(x is y for y in self.arrays) for x in arrays)
+        mine = self.arrays
+        return bool(mine) and all(any(x is y for y in mine) for x in arrays)
 
 
 STEP = Step()
