@@ -130,3 +130,22 @@ def readme_performance(recs: Records) -> str:
         f"The host cost of an eager call from Python: {host} a bare Triton launch in the same process "
         f"(T = 1-256; the target was 1.2x). {sources(host_used)}",
         _mlx_line(recs), _cpu_table(recs)])
+
+
+@block("cpu-layouts")
+def cpu_layouts(recs: Records, dtype: str = "bfloat16") -> str:
+    """ropepool beside eager PyTorch and torch.compile of the eager code, per pool layout (flat, fp8) and T:
+    each time the median of the newest code's runs, each ratio paired within a run."""
+    lines = ["| layout | T | ropepool µs | eager µs | torch.compile µs | eager / ropepool | torch.compile / ropepool |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    used = set()
+    for layout in ("flat", "fp8"):
+        for t in (1, 16, 256, 4096):
+            key = {p: dict(_cpu(p, t, dtype), variant=layout) for p in ("ropepool", "eager", "compiled")}
+            if recs.cell(**key["ropepool"]) is None:
+                continue
+            rs = [recs.ratio(key[p], key["ropepool"]) for p in ("eager", "compiled")]
+            used |= {rec for r in rs if r for rec in r.records}
+            lines.append(f"| {layout} | {t:,} | " + " | ".join(fmt_cell(recs.cell(**key[p])) for p in key) + " | "
+                         + " | ".join(fmt_x(r) for r in rs) + " |")
+    return "\n".join(lines) + "\n\n" + sources(used)
