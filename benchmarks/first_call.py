@@ -1,0 +1,70 @@
+"""The first call of a fresh process: ``import ropepool`` and its first ``rope_pool_fused`` call on CPU.
+
+    PYTHONPATH=src python3 benchmarks/first_call.py [--runs 7] [--out docs/bench/cpu-<date>-first-call.json]
+
+Each run is a new Python process that imports torch (timed apart: the user's import, not ropepool's),
+makes a 5-token float32 call's tensors (Llama-3-8B heads), then times ``import ropepool`` plus the first
+call, and the second call. It prints the median and min-max of the runs; ``--out`` writes the record (a
+new file; an existing one is refused).
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = """
+import json, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+T, Hq, Hkv, D = 5, 32, 8, 128
+q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+kp, vp = torch.zeros(64, Hkv, D), torch.zeros(64, Hkv, D)
+pos, slots = torch.arange(T), torch.arange(T)
+t2 = time.perf_counter()
+import ropepool
+ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv)
+t3 = time.perf_counter()
+ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv)
+t4 = time.perf_counter()
+print(json.dumps({"import_torch_s": t1 - t0, "first_call_s": t3 - t2, "second_call_s": t4 - t3}))
+"""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--out", default=None)
+    p.add_argument("--note", default=None)
+    a = p.parse_args()
+    if a.out and os.path.exists(a.out):
+        sys.exit(f"{a.out} exists: records are added, never overwritten")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(a.runs)]
+    first = [r["first_call_s"] for r in runs]
+    print(f"import ropepool + first call: median {statistics.median(first):.3f} s "
+          f"({min(first):.3f}-{max(first):.3f}, {len(runs)} fresh processes)")
+    if a.out:
+        import torch
+
+        import ropepool
+        from ropepool.bench_report import cpu_name
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+        env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
+               "ropepool": ropepool.__version__, "device": "cpu", "cpu": cpu_name(),
+               "compile": os.environ.get("ROPEPOOL_CPU_COMPILE", "on"), "commit": commit.strip() or None}
+        if a.note:
+            env["note"] = a.note
+        with open(a.out, "w") as f:
+            json.dump({"env": env, "first_call": runs}, f, indent=1)
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
