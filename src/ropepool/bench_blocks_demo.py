@@ -47,13 +47,16 @@ def demo_table(recs: Records, device: str = "cpu") -> str:
 
 @block("first-call")
 def first_call(recs: Records) -> str:
-    """``import ropepool`` plus the first call of a fresh process (benchmarks/first_call.py), newest record."""
+    """``import ropepool`` plus the first call of a fresh process (benchmarks/first_call.py), each record."""
     runs = recs.others("*-first-call*.json")
     if not runs:
         raise KeyError("first-call: no record under docs/bench/")
-    rec, d = runs[-1]
-    first = [r["first_call_s"] for r in d["first_call"]]
-    torch_s = [r["import_torch_s"] for r in d["first_call"]]
-    return (f"`import ropepool` plus the first 5-token float32 call of a fresh process: "
-            f"{statistics.median(first):.3f} s ({min(first):.3f}-{max(first):.3f}, {len(first)} processes; "
-            f"`import torch` before it took {statistics.median(torch_s):.2f} s). {sources([rec])}")
+    lines = []
+    for rec, d in runs:
+        first = [r["first_call_s"] for r in d["first_call"]]
+        torch_s = [r["import_torch_s"] for r in d["first_call"]]
+        lines.append(f"- code of {rec.stated_commit or 'an unrecorded commit'}: {statistics.median(first):.3f} s "
+                     f"({min(first):.3f}-{max(first):.3f}, {len(first)} processes; `import torch` before it: "
+                     f"{statistics.median(torch_s):.2f} s)")
+    return ("`import ropepool` plus the first 5-token float32 call of a fresh process:\n\n" + "\n".join(lines)
+            + "\n\n" + sources(rec for rec, _ in runs))
