@@ -232,10 +232,10 @@ def _tok_s(runs) -> str:
 # Why ropepool can lose a model here: what is measured is the whole serving step.
 WHY_SLOWER = {
     "cpu": "these models are tiny (hidden size 64, 2-3 layers), so a step is host time, a few microseconds per "
-           "small torch op; per layer ropepool's one call (value checks, plan lookup, cos/sin, norm, rotation, "
-           "pool write: some 20 small ops and their Python) replaces transformers' eager norm, RoPE and cache "
-           "write, a similar number of small ops, so the two cost about the same and a shared machine's noise "
-           "decides",
+           "small torch op and its Python; per layer ropepool's call (the hooks that hand it the step, value "
+           "checks, plan lookup, cos/sin, norm, rotation, pool write) still costs more host time than "
+           "transformers' eager norm, RoPE and cache write that it replaces; the fused call pays off where the "
+           "rows are large or on a GPU",
     "cuda": "on a GPU these tiny models' steps are launch-bound: one Triton launch replaces a few small "
             "kernels, a few microseconds per layer",
 }
