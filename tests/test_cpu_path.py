@@ -216,6 +216,31 @@ def test_compiles_in_the_background(monkeypatch, rng, fast_writes):
     assert not torch_cpu_compiled._state["failed"]
 
 
+def test_a_background_compile_failure_falls_back(monkeypatch, rng, fast_writes):
+    """A compile that fails in the background thread (a torch whose private inductor API changed,
+    simulated): one warning, the compiled step off, and every call before and after it served by the
+    torch ops with the oracle's results."""
+    def broken(args, pair_dim, aliases):
+        raise AttributeError("module 'torch._inductor.compile_fx' has no attribute 'compile_fx'")
+
+    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setattr(torch_cpu_compiled, "COMPILE_AFTER", 2)
+    monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
+    monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
+    monkeypatch.setattr(torch_cpu_compiled, "_compile", broken)
+    T, Hq, Hkv, D, P = 6, 2, 1, 32, 16
+    with pytest.warns(RuntimeWarning, match="has no attribute"):
+        for i in range(4):
+            q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "float32")
+            slots = make_slots(rng, T, P)
+            run_checked(X, q, k, v, make_positions(rng, T), slots,
+                        poison(make_cache(rng, "float32", P, Hkv, D), slots))
+            if i == 1:
+                torch_cpu_compiled.wait()
+    assert torch_cpu_compiled._state["failed"] and (fast_writes[STEP], fast_writes[OPS]) == (0, 8)
+
+
 class _no_warning:
     def __enter__(self):
         import warnings
