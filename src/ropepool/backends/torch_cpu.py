@@ -17,9 +17,12 @@ torch's accurate float32 functions and the arithmetic is float32 throughout,
 with the same roundings as ``torch_eager`` (its results bit for bit).
 
 It takes the calls ``covers`` accepts (plain, partial, GPT-J, scaled and
-longrope rotations, an engine's table, every pool layout, MLA's latent); the
-QK norm (normalised by torch_eager's own operations, then rotated here); the
-rest (fp8, MRoPE, autograd, torch.compile tracing) stay on ``torch_eager``.
+longrope rotations, an engine's table, every pool layout, MLA's latent, the
+QK norm (normalised by torch_eager's own operations, then rotated here), fp8
+pools with per-tensor or per-head scales (quantized by torch_eager's own
+operations)); the rest (per-token-head caches, fp8 q/k outputs, MRoPE,
+autograd, torch.compile tracing) stay on ``torch_eager``. Positions and slots
+a serving step registers (``values.STEP``) get their cos/sin once per step.
 """
 from __future__ import annotations
 
