@@ -207,8 +207,18 @@ def install(impl_cls, layout: str | None = None) -> None:
     impl_cls._ropepool_installed = True
 
 
+def _cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform (False for a vLLM without ``vllm.platforms``)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return current_platform.is_cpu()
+
+
 def register() -> list[str]:
-    """The ``vllm.general_plugins`` entry point: install ropepool on vLLM's CUDA attention backends.
+    """The ``vllm.general_plugins`` entry point: install ropepool on vLLM's CUDA attention backends
+    (on vLLM's CPU build: nothing, with a warning saying why).
 
     vLLM loads general plugins in every process (front end, engine core, workers). Returns the
     names of the backends it installed on; without vLLM it logs why and returns [].
@@ -218,6 +228,11 @@ def register() -> list[str]:
     except ImportError as e:
         log.warning("ropepool: vLLM is not importable (%s); the vLLM adapter was not installed. "
                     "ropepool.integrations.vllm.rope_and_cache can still be called directly.", e)
+        return []
+    if _cpu_platform():
+        log.warning("ropepool: nothing installed on vLLM's CPU backend: it stores each block's keys transposed "
+                    "([head_size, block_size] per head, ops.cpu_attn_reshape_and_cache), and ropepool writes pools "
+                    "whose head_size is contiguous; vLLM serves as without ropepool (docs/engines.md).")
         return []
     installed = []
     for module, name in BACKENDS:

@@ -1,0 +1,108 @@
+"""Serve tiny random-weight checkpoints through vLLM (its CPU build) and save their greedy tokens.
+
+    python tests/engines/vllm_serve.py OUT.json --families llama,qwen3,llama@bfloat16 [--tp 2]
+
+Run as its own process (vLLM spawns workers: hence the ``__main__`` guard); the test runs it
+with ropepool's entry point loaded as any install loads it, and with ``VLLM_PLUGINS=""``.
+Each checkpoint is written with ``save_pretrained`` from a config in this file. With TP=1 the
+engine and its worker run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor
+"uni"), so several models are served one after another without a new process each.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
+# initializer_range 0.2 (HF's default is 0.02): the next token then depends on the context, so a wrong
+# rotation or cache row shows in the tokens.
+
+
+def checkpoint(family: str, path: str) -> None:
+    """A tiny random-weight model of ``family`` saved to ``path`` (seeded: the same weights in every process)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if family == "llama":  # GQA, NeoX RoPE
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL))
+    elif family == "qwen3":  # per-head RMS norm of q and k before RoPE
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, head_dim=32))
+    elif family == "gptj":  # GPT-J pairs, partial rotary (32 of 64)
+        model = tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=256, n_embd=128, n_layer=2, n_head=2, rotary_dim=32,
+                                                 n_positions=512, initializer_range=0.2))
+    elif family == "gemma3":  # per-layer RoPE base, one sliding-window layer (window 16) and one global
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**SMALL, head_dim=32, sliding_window=16,
+                                                         layer_types=["sliding_attention", "full_attention"]))
+    elif family == "deepseek_v2":  # MLA
+        model = tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(
+            **{**SMALL, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1))  # every layer dense
+    else:
+        raise SystemExit(f"unknown family {family!r}")
+    model.save_pretrained(path)
+
+
+def prompts():
+    """Two batches: the second's first prompt shares 64 tokens (two 32-token blocks) with the first batch's."""
+    long = [(7 * i) % 251 + 1 for i in range(70)]
+    first = [long, [5, 9, 2, 77, 13, 3, 8, 100, 42]]
+    second = [long[:64] + [17, 19, 23], [(3 * i) % 200 + 2 for i in range(33)]]
+    return first, second
+
+
+def serve(family: str, dtype: str, tp: int, max_tokens: int) -> dict:
+    from vllm import LLM, SamplingParams
+
+    path = tempfile.mkdtemp(prefix=f"ropepool-{family}-")
+    checkpoint(family, path)
+    t0 = time.perf_counter()
+    llm = LLM(path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, enable_prefix_caching=True,
+              block_size=32, max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
+              distributed_executor_backend="uni" if tp == 1 else "mp")
+    up = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tokens, cached = [], []
+    for batch in prompts():
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        tokens += [list(o.outputs[0].token_ids) for o in outs]
+        cached += [o.num_cached_tokens or 0 for o in outs]
+    del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    return {"tokens": tokens, "cached": cached, "startup_s": round(up, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--families", default="llama")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=6)
+    a = p.parse_args()
+    if a.tp == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    results = {}
+    for family in a.families.split(","):  # name or name@dtype (float32 unless said)
+        name, _, dtype = family.partition("@")
+        try:
+            results[family] = serve(name, dtype or "float32", a.tp, a.max_tokens)
+        except Exception as e:  # noqa: BLE001 - the test reports what vLLM said, per family
+            results[family] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    with open(a.out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
