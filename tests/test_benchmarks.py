@@ -15,10 +15,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run(*args):
+def run(*args, codes=(0,)):
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return done.stdout
+    assert done.returncode in codes, done.stdout[-2000:] + done.stderr[-2000:]
+    return done
 
 
 def test_features_script_on_cpu(tmp_path):
@@ -35,9 +35,13 @@ def test_mlx_bench_cli(tmp_path):
     """``ropepool bench --framework mlx --out``: the records, and the plot or why there is none."""
     pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'ropepool[mlx]')")
     out = tmp_path / "mlx"
-    printed = run("-m", "ropepool.cli", "bench", "--framework", "mlx", "--geometries", "llama70b-tp8", "--dtypes",
-                  "float32", "--tokens", "1,300", "--warmup", "1", "--calls", "3", "--seconds", "1", "--pool-size",
-                  "512", "--small-pool-size", "64", "--out", str(out))
+    # exit 1 means a speed target was missed: timing on a busy CI machine, not what this test is about;
+    # the code must say so in the table exactly when it exits 1
+    done = run("-m", "ropepool.cli", "bench", "--framework", "mlx", "--geometries", "llama70b-tp8", "--dtypes",
+               "float32", "--tokens", "1,300", "--warmup", "1", "--calls", "3", "--seconds", "1", "--pool-size",
+               "512", "--small-pool-size", "64", "--out", str(out), codes=(0, 1))
+    printed = done.stdout
+    assert (done.returncode == 1) == ("MISSED" in printed), printed[-1500:]
     records = json.loads(out.with_suffix(".json").read_text())
     assert {(r["provider"], r["tokens"]) for r in records["records"]} >= {("ropepool", 1), ("ropepool", 300),
                                                                          ("hand-written", 300)}
