@@ -88,11 +88,11 @@ def test_new_record_joins_its_cell(tmp_path, recs):
     newer["env"]["commit"] = head
     (dst / "h200-2099-01-01-b.json").write_text(json.dumps(newer))
     cell = _plain_t1(Records(dst), "llama70b-tp8")
-    if cell.runs[0].record.order <= old.runs[0].record.order:
-        pytest.skip("HEAD has no commit to the GPU code after the record's")
+    if cell.runs[0].record.code == old.runs[0].record.code:
+        pytest.skip("the GPU code at HEAD is the record's")
     assert [r.record.file for r in cell.runs] == ["h200-2099-01-01-b.json"]
     assert cell.us == pytest.approx(2.5 * old.us)
-    assert len([r for r in cell.history if r.record.order == old.runs[0].record.order]) == 2
+    assert len([r for r in cell.history if r.record.code == old.runs[0].record.code]) == 2
 
 
 def test_other_harness_record_is_kept_whole(tmp_path):
@@ -112,6 +112,16 @@ def test_overwritten_record_is_read_at_its_last_write(recs):
     4058d18 changed torch_cpu.py): its rows measured 4058d18's code, not the first CPU path's."""
     rec = next(r.record for rs in recs.by_key.values() for r in rs if r.record.file == "cpu-2026-12-04.json")
     assert rec.commit == bench_records._git("log", "-1", "--format=%h", "4058d18")
+
+
+def test_docstring_changes_are_not_code_changes():
+    """410571c changed only torch_cpu.py's docstring: the CPU code is the same before and after, so a
+    record of 7c8ee73's code is not stale after it; 7c8ee73 (fp8 pools on the fast path) changed the code."""
+    same = [bench_records.code_id(bench_records._git("log", "-1", "--format=%h", c), "cpu")
+            for c in ("410571c~1", "410571c")]
+    assert same[0] == same[1]
+    assert bench_records.code_id(bench_records._git("log", "-1", "--format=%h", "7c8ee73~1"), "cpu") != \
+        bench_records.code_id(bench_records._git("log", "-1", "--format=%h", "7c8ee73"), "cpu")
 
 
 def test_unknown_block_is_an_error(recs):

@@ -11,14 +11,18 @@ record added later (a new file, never an overwrite) is picked up without any cod
 Which code a record measured: ``env.commit`` where the record carries it, else the commit
 ``docs/bench/provenance.json`` gives for it (from its run's docs), else the last commit that wrote
 the file; either is mapped to the last commit at or before it that touched the
-device's code paths (``CODE_PATHS``). A cell reports the runs of its newest code (``Cell.runs``);
-runs on older code stay as history (``Cell.history``). ``Record.later`` counts the commits to those
-paths since: a row whose code was changed after it was measured says so (†; ``git log
-<commit>..HEAD -- <CODE_PATHS>`` lists the changes).
+device's code paths (``CODE_PATHS``). Two records measured the same code when those files' syntax
+trees, docstrings left out, are equal (``code_id``). A cell reports the runs of the code of its
+newest record (``Cell.runs``); runs on other code stay as history (``Cell.history``). A row whose
+code differs in the working tree (``Record.later``) says so (†; ``git log <commit>..HEAD --
+<CODE_PATHS>`` lists the changes).
 """
 from __future__ import annotations
 
+import ast
 import fnmatch
+import functools
+import hashlib
 import json
 import statistics
 import subprocess
@@ -60,6 +64,35 @@ class Key(NamedTuple):
     dtype: str
 
 
+def _stripped(src: str) -> str:
+    """The syntax tree of ``src`` without docstrings (comments are not in it)."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return src
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+@functools.lru_cache(maxsize=None)
+def code_id(commit: str | None, kind: str) -> str:
+    """A digest of the ``kind`` device's CODE_PATHS at ``commit`` (None: the working tree), docstrings
+    and comments left out."""
+    parts = []
+    for path in CODE_PATHS[kind]:
+        if commit is None:
+            src = (ROOT / path).read_text() if (ROOT / path).exists() else None
+        else:
+            src = _git("show", f"{commit}:{path}")
+        parts.append("absent" if src is None else _stripped(src))
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
+
+
 def _git(*args) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
@@ -82,7 +115,9 @@ class Record:
     def commit(self) -> str | None:
         """The last commit to this device's code at or before the measured (or writing) commit."""
         at = self.stated_commit
-        if at is None or _git("cat-file", "-e", f"{at}^{{commit}}") is None:
+        # Only a commit of this history counts (a branch's commit that was rebased away does not exist
+        # in a clone, and the docs must read the same there).
+        if at is None or _git("merge-base", "--is-ancestor", at, "HEAD") is None:
             # the last commit to the file: its content, where an earlier stop overwrote a record in place
             at = _git("log", "--format=%H", "-1", "--", f"docs/bench/{self.file}")
         if not at:
@@ -96,12 +131,15 @@ class Record:
         return int(n) if n else -1
 
     @cached_property
-    def later(self) -> int | None:
-        """Commits to this device's code after the measured one (None: unknown)."""
-        if not self.commit:
-            return None
-        n = _git("rev-list", "--count", f"{self.commit}..HEAD", "--", *CODE_PATHS[self.kind])
-        return int(n) if n else None
+    def code(self) -> str:
+        """What the measured code is: its CODE_PATHS as syntax trees without docstrings (records whose
+        code differs only in comments and docstrings measured the same code)."""
+        return code_id(self.commit, self.kind) if self.commit else f"unknown: {self.file}"
+
+    @property
+    def later(self) -> bool:
+        """Whether this device's code in the working tree differs from the measured code."""
+        return self.code != code_id(None, self.kind)
 
     def source(self) -> str:
         """'file (date, code commit)', and whether that code was changed since."""
@@ -246,8 +284,8 @@ class Records:
                 and all(getattr(k, f) == v for f, v in want.items()) for r in rs]
         if not runs:
             return None
-        newest = max(r.record.order for r in runs)
-        return Cell([r for r in runs if r.record.order == newest], [r for r in runs if r.record.order != newest])
+        newest = max(runs, key=lambda r: r.record.order).record.code
+        return Cell([r for r in runs if r.record.code == newest], [r for r in runs if r.record.code != newest])
 
     def ratio(self, num: dict, den: dict) -> Ratios | None:
         """num / den of two cells, paired within each record of the newest code that holds both."""
@@ -260,8 +298,8 @@ class Records:
         pairs = [(r.record, r.us / statistics.median(bs[r.record])) for r in a.runs + a.history if r.record in bs]
         if not pairs:
             return None
-        newest = max(rec.order for rec, _ in pairs)
-        return Ratios([(rec, x) for rec, x in pairs if rec.order == newest])
+        newest = max(pairs, key=lambda p: p[0].order)[0].code
+        return Ratios([(rec, x) for rec, x in pairs if rec.code == newest])
 
 
 @dataclass
