@@ -71,7 +71,12 @@ def check_values(positions, slots, pool_size: int, max_position: int | None = No
 
 
 def _check_values(positions, slots, pool_size: int, max_position: int | None = None) -> None:
-    if slots.shape[-1] <= _FEW and _few_fine(positions, slots, pool_size, max_position):
+    if slots.shape == (1,) and positions.shape == (1,):  # a decode call: two ints (1 us; _few_fine 3)
+        (p,), (s,) = positions.tolist(), slots.tolist()
+        if 0 <= p <= (_PRECISE_POSITIONS if max_position is None else min(max_position - 1, _PRECISE_POSITIONS)) \
+                and s < pool_size:
+            return
+    elif slots.shape[-1] <= _FEW and _few_fine(positions, slots, pool_size, max_position):
         return
     pos = np.asarray(positions.cpu() if hasattr(positions, "cpu") else positions)
     slt = np.asarray(slots.cpu() if hasattr(slots, "cpu") else slots)

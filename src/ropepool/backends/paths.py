@@ -35,6 +35,8 @@ Paths counted now (keep this list in step):
   call, and once per trace of the compiled graph (so a compiled call that
   really reuses its graph does not add one).
 - ``torch_cpu.write``: the CPU path wrote one pool (k or v) with torch ops;
+- ``torch_cpu.one_token``: a one-token CPU call took ``Fast.one_token``'s
+  lane (fused q/k view, table rows as views, a copy_ per pool row);
 - ``torch_cpu.compiled_step``: a CPU call rotated q and k in inductor's
   compiled step (``torch_cpu_compiled``);
 - ``torch_cpu.compiled_write``: that step also wrote both pools.
@@ -48,9 +50,9 @@ from typing import Iterator
 _COUNTS: Counter = Counter()
 
 
-def took(path: str) -> None:
-    """Count one run of the fast path ``path`` (a dotted name, ``"<backend>.<path>"``)."""
-    _COUNTS[path] += 1
+def took(path: str, n: int = 1) -> None:
+    """Count ``n`` runs of the fast path ``path`` (a dotted name, ``"<backend>.<path>"``)."""
+    _COUNTS[path] += n
 
 
 def count(path: str) -> int:

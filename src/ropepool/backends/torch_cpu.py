@@ -104,6 +104,9 @@ class Fast:
         self._gain = (None, None)  # gain's key and value
         # fp8 pools: k's and v's scales as torch_eager divides by them
         self.scales = [_scale(s) for s in (call.k_scale, call.v_scale)] if call.fp8 else None
+        # one_token's lane: a flat pool of q's dtype, no norm, cos/sin of a table of ours
+        self.lane = self.flat and call.norm is None and not call.fp8 and call.pool_dtype == call.dtype and \
+            self.tables is not None and self.rot.long_from is None
 
     def cos_sin(self, positions, pick=True):
         """float32 ``cos`` and ``-sin, sin``, shaped to broadcast over ``x`` seen as ``[T, H, *pairs]``, and
@@ -242,6 +245,11 @@ class Fast:
         paths.took("torch_cpu.write")
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
+        x = self.fused_pairs(q, k) if q_out is None and k_out is None and q.shape[0] == 1 else None
+        if x is not None and self.lane:
+            done = self.one_token(x, q, k, v, positions, slots, k_pool, v_pool)
+            if done is not None:
+                return done
         # Few slots are read as Python ints (0.7 us; aminmax and int() cost 4).
         if slots.shape[0] <= _TABLE_TOKENS:
             few = slots.tolist()
@@ -256,7 +264,6 @@ class Fast:
             return self.general(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
         v3 = v if v.ndim == 3 else v[:, None]  # MLA: one latent head
         written = False
-        x = self.fused_pairs(q, k) if q_out is None and k_out is None and q.shape[0] == 1 else None
         if self.call.norm is not None:  # QK norm: q and k as one new tensor, normalised and rotated in place
             k3, Hq = (k if k.ndim == 3 else k[:, None]), q.shape[1]
             both = self.normed(torch.cat((q, k3), 1), Hq, positions)
@@ -288,6 +295,33 @@ class Fast:
             self.write(k_pool, k_rot, slots, keep, 0)
             self.write(v_pool, v3, slots, keep, 1)
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
+
+    def one_token(self, x, q, k, v, positions, slots, k_pool, v_pool):
+        """A decode call's lane (``lane``: flat pool of q's dtype, no norm, a table of ours; ``x``: its q and k
+        heads as ``fused_pairs``' one view): the few torch ops it needs, the same values as ``run``'s (the
+        table's rows as views, not copies; each pool row written by one copy_). None where it does not apply
+        (a slot past the pool, a position past the table): ``run`` takes the call."""
+        (s,), (p,) = slots.tolist(), positions.tolist()
+        if s >= self.call.pool_size or not 0 <= p < _TABLE_POSITIONS or v.ndim != 3:
+            return None
+        if STEP.holds(positions):  # once per step for every layer
+            cos, sin = self.cos_sin(positions)[:2]
+        else:
+            tables = self.from_table(0, p)
+            if tables is None:
+                return None
+            cos, sin = tables[0][p:p + 1], tables[1][p:p + 1]
+        both = torch.empty(x.shape, dtype=q.dtype)
+        self._block(x, cos, sin, both)
+        (Hq, D), Hkv = q.shape[1:], k.shape[1]
+        row = (Hq + Hkv) * D
+        q_rot, k_rot = both.as_strided((1, Hq, D), (row, D, 1)), both.as_strided((1, Hkv, D), (row, D, 1), Hq * D)
+        if s >= 0:  # a negative slot skips the write
+            k_pool[s:s + 1].copy_(k_rot)
+            v_pool[s:s + 1].copy_(v)
+        paths.took("torch_cpu.write", 2)  # as ``write`` counts: each pool, a token written or skipped
+        paths.took("torch_cpu.one_token")
+        return q_rot, k_rot, k_pool, v_pool
 
     def normed(self, x, Hq, positions):
         """``[T, Hq + Hkv, D]`` x (q's heads, then k's: a tensor of ours) RMS-normalised and rotated in the

@@ -1,0 +1,77 @@
+"""The CPU path's one-token lane (backends/torch_cpu.py ``Fast.one_token``): a decode call of a fused QKV
+output into a flat pool. Each case counts the lane (backends/paths.py), checks the oracle's results
+(tests.harness.run_checked: pool rows bit for bit, the rest of the pools untouched) and compares the
+lane's outputs bit for bit with those of the same call with the lane turned off."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ropepool  # noqa: E402
+from ropepool import CosSinCache, RopeSpec  # noqa: E402
+from ropepool.backends import paths, torch_cpu  # noqa: E402
+from ropepool.values import STEP  # noqa: E402
+from tests.harness import FLOATS, Backend, cos_sin_table, make_cache, poison, run_checked  # noqa: E402
+from tests.test_cpu_path import fused_qkv  # noqa: E402
+
+X = Backend("torch", "cpu")
+LANE = "torch_cpu.one_token"
+Hq, Hkv, D, P = 4, 2, 64, 32
+
+
+def _call(q, k, v, positions, slots, pools, rope):
+    k_pool, v_pool = (X.array(x.copy()) for x in pools)
+    out = ropepool.rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, head_dim=D, num_qo_heads=Hq,
+                                   num_kv_heads=Hkv, rope=rope, backend="torch")
+    return [x.clone() for x in out]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+@pytest.mark.parametrize("slot", [5, -1])
+@pytest.mark.parametrize("step", [False, True])
+def test_one_token_lane(dtype, rope, slot, step, rng, monkeypatch):
+    """Plain and scaled rotations, bf16/fp16/fp32, a written and a skipped token, positions of a serving
+    step (values.STEP) or not: the lane runs, with the oracle's results and the general run's bits."""
+    spec = RopeSpec(head_dim=D, base=500000.0, scaling=None if rope == "plain" else {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    q, k, v = fused_qkv(rng, 1, Hq, Hkv, D, dtype)
+    positions, slots = torch.tensor([int(rng.integers(0, 5000))]), torch.tensor([slot])
+    cache = poison(make_cache(rng, dtype, P, Hkv, D), slots.numpy())
+    pools = [np.asarray(x).copy() for x in cache.owners]
+    try:
+        if step:
+            STEP.begin(positions, slots)
+        with paths.counting() as seen:
+            run_checked(X, q, k, v, positions, slots, cache, rope=spec)
+            lane = _call(q, k, v, positions, slots, pools, spec)
+        assert seen[LANE] == 2
+        monkeypatch.setattr(torch_cpu.Fast, "one_token", lambda *a: None)
+        with paths.counting() as seen:
+            general = _call(q, k, v, positions, slots, pools, spec)
+        assert seen[LANE] == 0
+    finally:
+        STEP.begin()
+    for a, b in zip(lane, general):
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", ["separate", "paged", "table", "partial", "past-pool"])
+def test_one_token_lane_not_taken(case, rng):
+    """Calls outside the lane (q and k apart, a paged pool, an engine's table, partial RoPE, a slot past
+    the pool of a runner called unchecked) go the general way, with the oracle's results."""
+    q, k, v = fused_qkv(rng, 1, Hq, Hkv, D, "bfloat16")
+    if case == "separate":
+        q, k = q.clone(), k.clone()
+    rope = {"table": CosSinCache(cos_sin_table(4096, RopeSpec(head_dim=D).inv_freq), is_neox=True),
+            "partial": RopeSpec(head_dim=D, rotary_dim=32)}.get(case, RopeSpec(head_dim=D))
+    positions, slots = torch.tensor([17]), torch.tensor([3])
+    layout = dict(kv_layout="NHD", page_size=4) if case == "paged" else {}
+    cache = poison(make_cache(rng, "bfloat16", P, Hkv, D, **layout), slots.numpy())
+    with paths.counting() as seen:
+        # past-pool: validation would refuse the slot; the bound runner gets it (bypass) and writes nothing
+        run_checked(X, q, k, v, positions, torch.tensor([P]) if case == "past-pool" else slots, cache, rope=rope,
+                    bypass=case == "past-pool", kv_layout=layout.get("kv_layout"))
+    assert seen[LANE] == 0
