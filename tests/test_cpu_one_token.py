@@ -21,10 +21,15 @@ LANE = "torch_cpu.one_token"
 Hq, Hkv, D, P = 4, 2, 64, 32
 
 
-def _call(q, k, v, positions, slots, pools, rope):
+POOLS = {"q's dtype": (None, None, None), "e4m3, float scales": ("float8_e4m3fn", 0.37, 0.61),
+         "e5m2, one-element scales": ("float8_e5m2", np.array([0.25], np.float32), np.array([2.5], np.float32))}
+
+
+def _call(q, k, v, positions, slots, pools, rope, scales):
     k_pool, v_pool = (X.array(x.copy()) for x in pools)
+    k_scale, v_scale = (torch.from_numpy(x) if isinstance(x, np.ndarray) else x for x in scales)
     out = ropepool.rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, head_dim=D, num_qo_heads=Hq,
-                                   num_kv_heads=Hkv, rope=rope, backend="torch")
+                                   num_kv_heads=Hkv, rope=rope, backend="torch", k_scale=k_scale, v_scale=v_scale)
     return [x.clone() for x in out]
 
 
@@ -32,25 +37,28 @@ def _call(q, k, v, positions, slots, pools, rope):
 @pytest.mark.parametrize("rope", ["plain", "yarn"])
 @pytest.mark.parametrize("slot", [5, -1])
 @pytest.mark.parametrize("step", [False, True])
-def test_one_token_lane(dtype, rope, slot, step, rng, monkeypatch):
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_one_token_lane(dtype, rope, slot, step, pool, rng, monkeypatch):
     """Plain and scaled rotations, bf16/fp16/fp32, a written and a skipped token, positions of a serving
-    step (values.STEP) or not: the lane runs, with the oracle's results and the general run's bits."""
+    step (values.STEP) or not, pools of q's dtype or fp8 (value / scale): the lane runs, with the oracle's
+    results and the general run's bits."""
+    pool_dtype, *scales = POOLS[pool]
     spec = RopeSpec(head_dim=D, base=500000.0, scaling=None if rope == "plain" else {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
     q, k, v = fused_qkv(rng, 1, Hq, Hkv, D, dtype)
     positions, slots = torch.tensor([int(rng.integers(0, 5000))]), torch.tensor([slot])
-    cache = poison(make_cache(rng, dtype, P, Hkv, D), slots.numpy())
+    cache = poison(make_cache(rng, pool_dtype or dtype, P, Hkv, D), slots.numpy())
     pools = [np.asarray(x).copy() for x in cache.owners]
     try:
         if step:
             STEP.begin(positions, slots)
         with paths.counting() as seen:
-            run_checked(X, q, k, v, positions, slots, cache, rope=spec)
-            lane = _call(q, k, v, positions, slots, pools, spec)
+            run_checked(X, q, k, v, positions, slots, cache, rope=spec, k_scale=scales[0], v_scale=scales[1])
+            lane = _call(q, k, v, positions, slots, pools, spec, scales)
         assert seen[LANE] == 2
         monkeypatch.setattr(torch_cpu.Fast, "one_token", lambda *a: None)
         with paths.counting() as seen:
-            general = _call(q, k, v, positions, slots, pools, spec)
+            general = _call(q, k, v, positions, slots, pools, spec, scales)
         assert seen[LANE] == 0
     finally:
         STEP.begin()

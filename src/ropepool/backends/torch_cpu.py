@@ -105,7 +105,7 @@ class Fast:
         # fp8 pools: k's and v's scales as torch_eager divides by them
         self.scales = [_scale(s) for s in (call.k_scale, call.v_scale)] if call.fp8 else None
         # one_token's lane: a flat pool of q's dtype, no norm, cos/sin of a table of ours
-        self.lane = self.flat and call.norm is None and not call.fp8 and call.pool_dtype == call.dtype and \
+        self.lane = self.flat and call.norm is None and (call.fp8 or call.pool_dtype == call.dtype) and \
             self.tables is not None and self.rot.long_from is None
 
     def cos_sin(self, positions, pick=True):
@@ -297,7 +297,7 @@ class Fast:
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
 
     def one_token(self, x, q, k, v, positions, slots, k_pool, v_pool):
-        """A decode call's lane (``lane``: flat pool of q's dtype, no norm, a table of ours; ``x``: its q and k
+        """A decode call's lane (``lane``: flat pool of q's dtype or fp8, no norm, a table of ours; ``x``: its q and k
         heads as ``fused_pairs``' one view): the few torch ops it needs, the same values as ``run``'s (the
         table's rows as views, not copies; each pool row written by one copy_). None where it does not apply
         (a slot past the pool, a position past the table): ``run`` takes the call."""
@@ -317,8 +317,10 @@ class Fast:
         row = (Hq + Hkv) * D
         q_rot, k_rot = both.as_strided((1, Hq, D), (row, D, 1)), both.as_strided((1, Hkv, D), (row, D, 1), Hq * D)
         if s >= 0:  # a negative slot skips the write
-            k_pool[s:s + 1].copy_(k_rot)
-            v_pool[s:s + 1].copy_(v)
+            for i, (pool, rows) in enumerate(((k_pool, k_rot), (v_pool, v))):
+                if self.call.fp8:  # quantized as ``write`` does
+                    rows = arraymath.quantize(rows.float(), self.scales[i], FP8_MAX[self.call.fp8], self.ops)
+                pool[s:s + 1].copy_(rows)
         paths.took("torch_cpu.write", 2)  # as ``write`` counts: each pool, a token written or skipped
         paths.took("torch_cpu.one_token")
         return q_rot, k_rot, k_pool, v_pool
