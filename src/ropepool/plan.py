@@ -26,6 +26,7 @@ as long as the engine.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import sys
 import weakref
@@ -157,6 +158,9 @@ def _store(cache: dict, key: tuple, call: Call, value):
 # id(table) -> a weak reference to it, whose callback drops the keys of that table (a CosSinCache's key
 # holds the table's id): it runs when the table is freed, before its id can be another table's.
 _WATCHED: dict = {}
+# At exit the caches go with the process: drop the watches first, so that no callback runs while the
+# interpreter's shutdown is setting this module's names to None.
+atexit.register(_WATCHED.clear)
 
 
 def _table_freed(table_id: int, ref) -> None:

@@ -89,7 +89,7 @@ class Fast:
         self.cs_shape = (-1, 1, r // 2, 1) if gptj else (-1, 1, 1, r // 2)
         self.sign = torch.tensor([-1.0, 1.0]).view((1, 2) if gptj else (2, 1))
         self.freqs = None if freqs is None else [f.view(self.cs_shape[2:]) for f in freqs]  # None with a table
-        self.source = freqs if freqs is not None else self.rot.table  # what cos/sin are made of
+        self._freqs = freqs
         # The table's values are those computed per call only where each call's T * r/2 angles take torch's
         # vector cos/sin (ATen computes a tail of < 32 floats with libm's): r/2 a multiple of 32.
         self.tables = None if freqs is None or (r // 2) % 32 else _tables_of(freqs)
@@ -108,16 +108,23 @@ class Fast:
         self.lane = self.flat and call.norm is None and (call.fp8 or call.pool_dtype == call.dtype) and \
             self.tables is not None and self.rot.long_from is None
 
+    @property
+    def source(self):
+        """What cos/sin are made of: the frequencies (ropepool's), or the caller's table, which the runner
+        reaches through the rotation's weak reference only (a dropped table is freed: docs/memory.md)."""
+        return self._freqs if self._freqs is not None else self.rot.table
+
     def cos_sin(self, positions, pick=True):
         """float32 ``cos`` and ``-sin, sin``, shaped to broadcast over ``x`` seen as ``[T, H, *pairs]``, and
         None; or, with ``pick=False`` where a table holds them, that table's two parts and the positions whose
         rows they are (the compiled rotation picks them itself). Positions a serving step registered
         (values.STEP) get them once per step for every layer of this rotation."""
         if STEP.holds(positions):
-            key = ("cos_sin", id(positions), self.source, self.cs_shape, self.rot.attention_scaling, pick)
+            source = self.source
+            key = ("cos_sin", id(positions), source, self.cs_shape, self.rot.attention_scaling, pick)
             hit = STEP.memo.get(key)
-            if hit is None or hit[0] is not self.source:  # (the entry keeps its source alive: ids stay theirs)
-                hit = STEP.memo[key] = (self.source, self._cos_sin(positions, pick))
+            if hit is None or hit[0] is not source:  # (the entry keeps its source alive: ids stay theirs)
+                hit = STEP.memo[key] = (source, self._cos_sin(positions, pick))
             return hit[1]
         return self._cos_sin(positions, pick)
 
