@@ -42,10 +42,10 @@ def checkpoint(family: str, path: str) -> None:
     elif family == "gemma3":  # per-layer RoPE base, one sliding-window layer (window 16) and one global
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**SMALL, head_dim=32, sliding_window=16,
                                                          layer_types=["sliding_attention", "full_attention"]))
-    elif family == "deepseek_v2":  # MLA
+    elif family == "deepseek_v2":  # MLA; vLLM's CPU MLA takes kv_lora_rank + qk_rope_head_dim = 576 only
         model = tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(
-            **{**SMALL, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
-            qk_rope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
+            **{**SMALL, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32,
+            qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1))  # every layer dense
     else:
         raise SystemExit(f"unknown family {family!r}")
