@@ -111,9 +111,12 @@ def sources(records) -> str:
     records = sorted(set(records), key=lambda r: r.file)
     parts = [r.source() for r in records]
     about = sorted({f"{r.device}; {r.versions}" for r in records})
-    notes = sorted({r.note for r in records if r.note})
-    return "Records: " + ", ".join(parts) + ". " + " / ".join(about) + "." + \
-        "".join(f" Note: {n}" for n in notes)
+    notes = [(r.file, r.note) for r in records if r.note]
+    if len({n for _, n in notes}) == 1:
+        said = f" Note: {notes[0][1]}"
+    else:  # each record's own note, named by its file
+        said = "".join(f" Note on `{f}`: {n}." for f, n in notes)
+    return "Records: " + ", ".join(parts) + ". " + " / ".join(about) + "." + (said if notes else "")
 
 
 def stale(records) -> bool:
