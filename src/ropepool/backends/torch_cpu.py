@@ -105,6 +105,7 @@ class Fast:
         # fp8 pools: k's and v's scales as torch_eager divides by them
         self.scales = [_scale(s) for s in (call.k_scale, call.v_scale)] if call.fp8 else None
         # one_token's lane: a flat pool of q's dtype, no norm, cos/sin of a table of ours
+        self.pool_size = call.pool_size
         self.lane = self.flat and call.norm is None and (call.fp8 or call.pool_dtype == call.dtype) and \
             self.tables is not None and self.rot.long_from is None
 
@@ -309,7 +310,7 @@ class Fast:
         table's rows as views, not copies; each pool row written by one copy_). None where it does not apply
         (a slot past the pool, a position past the table): ``run`` takes the call."""
         (s,), (p,) = slots.tolist(), positions.tolist()
-        if s >= self.call.pool_size or not 0 <= p < _TABLE_POSITIONS or v.ndim != 3:
+        if s >= self.pool_size or not 0 <= p < _TABLE_POSITIONS or v.ndim != 3:
             return None
         if STEP.holds(positions):  # once per step for every layer
             cos, sin = self.cos_sin(positions)[:2]
@@ -318,8 +319,9 @@ class Fast:
             if tables is None:
                 return None
             cos, sin = tables[0][p:p + 1], tables[1][p:p + 1]
-        both = torch.empty(x.shape, dtype=q.dtype)
-        self._block(x, cos, sin, both)
+        # _block's arithmetic in four ops: a product of x (bf16, fp16) and float32 cos/sin is taken in float32
+        # (x upcast exactly, as x.float() does), each product rounded, then the sum once into q's dtype.
+        both = torch.add(x * cos, x.flip(self.pair_dim) * sin, out=torch.empty(x.shape, dtype=q.dtype))
         (Hq, D), Hkv = q.shape[1:], k.shape[1]
         row = (Hq + Hkv) * D
         q_rot, k_rot = both.as_strided((1, Hq, D), (row, D, 1)), both.as_strided((1, Hkv, D), (row, D, 1), Hq * D)
