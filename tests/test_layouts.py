@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import ropepool
 from tests.harness import Cache, crossed, make_cache, make_positions, make_slots, poison, randn, run_checked
 from tests.params import mlx_has, on_backends, on_torch
 
@@ -213,3 +214,57 @@ def test_fp8_mixed_scale_kinds(backend, which, rng):
     ks, vs = (scale_arg(0.37, "tensor"), 1.7) if which == "k-tensor" else (0.37, scale_arg(1.7, "tensor"))
     run_checked(backend, *qkv(rng, "bfloat16"), make_positions(rng, T), slots,
                 cache_for(rng, "NHD-ps16", "float8_e4m3fn", 32, slots), k_scale=ks, v_scale=vs)
+
+
+# --- pools with a strided head dim (torch): vLLM's CPU key cache -----------------------------
+
+# vLLM's CPU backend stores each block's keys transposed, [heads, dim, block_size] (token dim innermost),
+# and its values as rows; ropepool writes the key half through a transposed view. name: (the two owners'
+# shapes for (pages, page_size), the views passed as k_pool / v_pool, layout, layer)
+STRIDED = {
+    "HND-vllm-cpu": (lambda n, ps: [(n, HKV, D, ps), (n, HKV, ps, D)], lambda o: (o[0].swapaxes(-1, -2), o[1]),
+                     "HND", None),
+    "HND-layers": (lambda n, ps: [(NUM_LAYERS, n, HKV, D, ps), (NUM_LAYERS, n, HKV, ps, D)],
+                   lambda o: (o[0].swapaxes(-1, -2), o[1]), "HND", -1),
+    # NHD, heads and dims both strided: [pages, page_size, heads, dim] over memory [pages, heads, dim, page_size]
+    "NHD-transposed": (lambda n, ps: [(n, HKV, D, ps), (n, ps, HKV, D)],
+                       lambda o: (o[0].swapaxes(1, 3).swapaxes(2, 3), o[1]), "NHD", None),
+}
+
+
+def strided_cache(rng, name, dtype, ps, slots):
+    shapes, views, kv_layout, layer = STRIDED[name]
+    scale = 4.0 if dtype.startswith("float8") else 1.0
+    owners = [randn(rng, *s, dtype=dtype, scale=scale) for s in shapes(64 // ps, ps)]
+    return poison(Cache(owners, kv_layout, ps, layer, views), slots)
+
+
+@pytest.mark.parametrize("name,dtype", crossed(list(STRIDED), ("float16", "bfloat16", "float32", "float8_e4m3fn")))
+@pytest.mark.parametrize("ps", [1, 16], ids=["ps1", "ps16"])
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_strided_head_dim_pool(backend, name, dtype, ps, rng):
+    """A key pool whose head dim has stride page_size: written through the view, the rest bit for bit."""
+    slots = make_slots(rng, T, 64, skip_every=4)  # with a slot -1
+    assert (np.asarray(slots) < 0).any()
+    cache = strided_cache(rng, name, dtype, ps, slots)
+    cache.owners = [backend.array(o) for o in cache.owners]
+    k_pool, _ = cache.pools()
+    assert k_pool.stride(-1) == ps and (ps == 1 or not k_pool.is_contiguous())
+    fp8 = dict(k_scale=np.array([0.37], np.float32), v_scale=0.5) if dtype.startswith("float8") else {}
+    run_checked(backend, *qkv(rng, "bfloat16" if fp8 else dtype), make_positions(rng, T), slots, cache, **fp8)
+
+
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+def test_strided_head_dim_pool_triton_refused(backend, rng):
+    """The Triton kernel stores each head's row as one run: it refuses such a pool before writing."""
+    slots = make_slots(rng, T, 64, skip_every=4)
+    cache = strided_cache(rng, "HND-vllm-cpu", "float32", 16, slots)
+    cache.owners = [backend.array(o) for o in cache.owners]
+    before = [backend.numpy(o).copy() for o in cache.owners]
+    q, k, v = (backend.array(x) for x in qkv(rng, "float32"))
+    k_pool, v_pool = cache.pools()
+    with pytest.raises(ValueError, match=r"^backend 'triton' writes pools whose head dim is contiguous; got k_pool "
+                                         r"with strides \[1024, 512, 1, 16\]\. Fix: backend='torch'"):
+        ropepool.rope_pool_fused(q, k, v, backend.array(make_positions(rng, T)), backend.array(slots), k_pool, v_pool,
+                                 head_dim=D, num_qo_heads=HQ, num_kv_heads=HKV, kv_layout="HND", backend="triton")
+    assert all(np.array_equal(b, backend.numpy(o), equal_nan=True) for b, o in zip(before, cache.owners))

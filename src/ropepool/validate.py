@@ -129,8 +129,10 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
                                               num_kv_heads)
     norm = _check_norm(qk_norm, q, head_dim)
     if fw == "torch":
-        # positions/slots too: the kernel reads them as flat int arrays.
-        _check_strides(q=q, k=k, v=v, positions=positions, slots=slots, k_pool=k_pool, v_pool=v_pool)
+        # positions/slots too: the kernel reads them as flat int arrays. Pools may have a strided head dim
+        # (vLLM's CPU key cache seen through a transpose): the torch path writes through any view, the
+        # Triton backend refuses one (triton_op.Prepared.bind).
+        _check_strides(q=q, k=k, v=v, positions=positions, slots=slots)
         _check_distinct_pools(("k_pool", "v_pool"), k_pool, v_pool)
         q_fp8, q_scale = _check_out("q_out", q_out, q, "q_scale", q_scale)
         k_fp8, k_out_scale = _check_out("k_out", k_out, k, "k_out_scale", k_out_scale)

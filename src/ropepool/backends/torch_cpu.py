@@ -52,7 +52,8 @@ def covers(call, arrays) -> bool:
     q = arrays[0]
     return (q.device.type == "cpu" and not (call.per_token_head or call.q_fp8 or call.k_fp8)
             and call.rotation.mrope_section is None and not torch.compiler.is_compiling()
-            and not any(x is not None and x.requires_grad for x in arrays[:3]))
+            and not any(x is not None and x.requires_grad for x in arrays[:3])
+            and all(p.stride(-1) == 1 or p.shape[-1] == 1 for p in arrays[5:7]))  # strided head dim: torch_eager
 
 
 def _scale(scale):

@@ -25,6 +25,7 @@ import torch
 import triton
 
 from ..dtypes import FP8_MAX, QMAX
+from ..errors import RopePoolError
 from ..layout import paged_view, pool_geometry
 from .torch_eager import rotation_freqs
 from .triton_kernel import _INTERPRET, rope_pool_kernel
@@ -382,6 +383,11 @@ class Prepared:
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         """The runner for calls laid out like these arrays (under torch.compile: one that calls the op)."""
+        for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+            if pool.stride(-1) != 1 and pool.shape[-1] > 1:  # the kernel stores each head's row as one run
+                raise RopePoolError(f"backend 'triton' writes pools whose head dim is contiguous; got {name} with "
+                                    f"strides {list(pool.stride())}. Fix: backend='torch' (it writes through any "
+                                    "view), or a pool whose last dim has stride 1.")
         extras = self.extras(q.device)
         long_from = self.call.rotation.long_from if self.call.rotation.table is None else None
         if not torch.compiler.is_compiling():
