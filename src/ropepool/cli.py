@@ -129,12 +129,26 @@ def env_report() -> int:
 
 
 def _framework(cmd: str, args: list) -> tuple:
-    """(the framework ``--framework`` names, the other args): MLX's demo and bench are their own modules,
-    which import neither torch nor transformers."""
+    """(the framework ``--framework`` names, the engine ``--engine`` names, the other args): MLX's demo and
+    bench are their own modules, which import neither torch nor transformers; so is the vLLM demo."""
     p = Parser(prog=f"ropepool {cmd}", add_help=False)
     p.add_argument("--framework", choices=("torch", "mlx"), default="torch")
+    if cmd == "demo":
+        p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
     a, rest = p.parse_known_args(args)
-    return a.framework, rest
+    return a.framework, getattr(a, "engine", None), rest
+
+
+def _vllm_missing() -> str | None:
+    """The one line to print when vLLM cannot be imported (the README's vLLM install line), else None."""
+    try:
+        importlib.import_module("vllm")
+    except Exception as e:  # noqa: BLE001 - a broken vLLM install (e.g. CUDA torchvision) fails in many ways
+        from .demo_vllm import INSTALL
+
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        return f"ropepool demo --engine vllm: error: vllm cannot be imported ({why}). Fix (from a clone): {INSTALL}"
+    return None
 
 
 def _missing(cmd: str, framework: str) -> str | None:
@@ -159,13 +173,20 @@ def main(argv=None) -> int:
     p.add_argument("--version", action="version", version=f"ropepool {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,bench,env}")
     sub.add_parser("demo", help="run transformers' continuous batching with and without ropepool: tokens/s and "
-                                 "whether the tokens match (--framework mlx: mlx-lm's models)", add_help=False)
+                                 "whether the tokens match (--framework mlx: mlx-lm's models; --engine vllm: "
+                                 "vLLM itself)", add_help=False)
     sub.add_parser("bench", help="time ropepool beside eager PyTorch, torch.compile and a copy (--framework mlx: "
                                   "beside hand-written MLX)", add_help=False)
     sub.add_parser("env", help="versions, devices and which backend would run")
     a, rest = p.parse_known_args(argv)
     if a.cmd in ("demo", "bench"):  # demo.py / demo_mlx.py, bench.py / bench_mlx.py
-        framework, rest = _framework(a.cmd, rest)
+        framework, engine, rest = _framework(a.cmd, rest)
+        if engine == "vllm":  # demo_vllm.py
+            missing = _vllm_missing()
+            if missing:
+                print(missing, file=sys.stderr)
+                return 2
+            return importlib.import_module(".demo_vllm", __package__).main(rest)
         missing = _missing(a.cmd, framework)
         if missing:
             print(missing, file=sys.stderr)
