@@ -191,7 +191,7 @@ def start_both(path: str) -> dict:
     """The two engines, started one after the other (two cores: one start at a time), progress shown."""
     engines = {}
     for label, ropepool in (("vLLM + ropepool", True), ("vLLM alone", False)):
-        print(f"{label}: starting the engine (its own process; about a minute on two cores)", flush=True)
+        print(f"{label}: starting the engine (its own process)", flush=True)
         engines[label] = e = Engine(path, label, ropepool)
         print(f"{label}: ready in {e.answer()['ready_s']:.0f} s", flush=True)
     return engines
