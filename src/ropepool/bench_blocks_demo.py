@@ -60,3 +60,35 @@ def first_call(recs: Records) -> str:
                      f"{statistics.median(torch_s):.2f} s)")
     return ("`import ropepool` plus the first 5-token float32 call of a fresh process:\n\n" + "\n".join(lines)
             + "\n\n" + sources(rec for rec, _ in runs))
+
+
+@block("vllm-step")
+def vllm_step(recs: Records) -> str:
+    """vLLM's decode step on its CPU build with ropepool's plugin and without (benchmarks/vllm_step.py),
+    from the newest ``*-vllm-step*.json`` record."""
+    runs = recs.others("*-vllm-step*.json")
+    if not runs:
+        return "vLLM's decode step: not recorded."
+    rec, d = runs[-1]
+    r = d["vllm_step"]
+    s = r["summary"]
+    alone = s["vLLM alone"]["step_us_median"]
+    lines = ["| engine | decode step, µs: median (IQR) | / vLLM alone | turn medians, µs | ropepool calls per "
+             "layer and step | ropepool's share of the step |", "| --- | ---: | ---: | --- | ---: | ---: |"]
+    for label, v in s.items():
+        turns = ", ".join(f"{t:,.0f}" for t in v["turn_medians_us"])
+        lines.append(f"| {label} | {v['step_us_median']:,.0f} ({v['step_us_q1']:,.0f}-{v['step_us_q3']:,.0f}) | "
+                     f"{v['step_us_median'] / alone:.3f}x | {turns} | {v['ropepool_calls_per_layer_step']:.2f} | "
+                     f"{100 * v['ropepool_share_median']:.1f}% |")
+    m = r["model"]
+    calls = s["vLLM + ropepool"]["ropepool_calls_per_layer_step"]
+    verdict = ("ropepool ran no call in this record: vLLM loaded its plugin, which routed nothing, so both "
+               "engines ran vLLM's own RoPE and cache write and their difference is the noise of the machine."
+               if calls == 0 else f"ropepool did {calls:.2f} calls per layer and decode step (the RoPE + KV-cache "
+               "write of each attention layer); its share is the time inside those calls over the step's.")
+    return (f"A {m['num_hidden_layers']}-layer {m['family']} (hidden {m['hidden_size']}, {m['num_attention_heads']}"
+            f"/{m['num_key_value_heads']} heads, {m['dtype']}, random weights), {r['prompts']} requests decoding "
+            f"{r['max_tokens']} tokens a turn, {r['rounds']} turns of each engine interleaved; a step is vLLM's "
+            "`EngineCore.step` (schedule, forward, sample, update), wall time in the engine's process; tokens "
+            f"{'identical' if r['tokens_match'] else 'DIFFERENT'} with and without ropepool. {verdict}\n\n"
+            + "\n".join(lines) + "\n\n" + sources([rec]))
