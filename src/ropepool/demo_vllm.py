@@ -39,7 +39,9 @@ INSTALL = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -c .ci/cons
 def write_checkpoint(path: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # the demo's own lines only
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
 
