@@ -83,7 +83,8 @@ def vllm_step(recs: Records) -> str:
     m = r["model"]
     calls = s["vLLM + ropepool"]["ropepool_calls_per_layer_step"]
     verdict = ("ropepool ran no call in this record: vLLM loaded its plugin, which routed nothing, so both "
-               "engines ran vLLM's own RoPE and cache write and their difference is the noise of the machine."
+               "engines ran vLLM's own RoPE and cache write: their difference is not ropepool's work (the same "
+               "code in two processes of a shared machine)."
                if calls == 0 else f"ropepool did {calls:.2f} calls per layer and decode step (the RoPE + KV-cache "
                "write of each attention layer); its share is the time inside those calls over the step's.")
     return (f"A {m['num_hidden_layers']}-layer {m['family']} (hidden {m['hidden_size']}, {m['num_attention_heads']}"
