@@ -1,4 +1,4 @@
-"""Serve tiny random-weight checkpoints through vLLM (its CPU build) and save their greedy tokens.
+"""Serve tiny random-weight checkpoints through vLLM (its CPU build) and save greedy tokens and ropepool's calls.
 
     python tests/engines/vllm_serve.py OUT.json --families llama,qwen3,llama@bfloat16 [--tp 2]
 
@@ -93,13 +93,19 @@ def main() -> None:
     a = p.parse_args()
     if a.tp == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    calls = os.environ.get("ROPEPOOL_VLLM_CALLS")
     results = {}
     for family in a.families.split(","):  # name or name@dtype (float32 unless said)
         name, _, dtype = family.partition("@")
+        if calls:  # one file of ropepool's calls per family (the plugin reads the variable at each call)
+            os.environ["ROPEPOOL_VLLM_CALLS"] = f"{calls}.{family}"
         try:
             results[family] = serve(name, dtype or "float32", a.tp, a.max_tokens)
         except Exception as e:  # noqa: BLE001 - the test reports what vLLM said, per family
             results[family] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        if calls and os.path.exists(f"{calls}.{family}"):
+            with open(f"{calls}.{family}") as f:
+                results[family]["calls"] = [line.split() for line in f]
     with open(a.out, "w") as f:
         json.dump(results, f)
 

@@ -46,6 +46,8 @@ LAYOUTS = {
     "kv_first": "[2, num_blocks, block_size, heads, head_size], K/V = unbind(0): FlashAttention",
     "blocks_first": "[num_blocks, 2, block_size, heads, head_size], K/V = unbind(1): Triton, FlashInfer",
     "packed": "[num_blocks, heads, block_size, 2 * head_size], K then V in the last dim: vLLM's standardized layout",
+    "cpu": "[num_blocks, heads, block_size, 2 * head_size], per block and head the keys as [head_size, block_size] "
+           "then the values as rows: vLLM's CPU backend (isa vec / vec16)",
 }
 
 # vLLM's CUDA attention backends: (module, backend class).
@@ -66,7 +68,8 @@ def detect_layout(kv_cache: torch.Tensor, head_size: int) -> str:
 
 
 def cache_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value caches ``[num_blocks, block_size, heads, head_size]``: views into ``kv_cache``."""
+    """Key and value caches ``[num_blocks, block_size, heads, head_size]`` (``"cpu"``: HND,
+    ``[num_blocks, heads, block_size, head_size]``, the keys' head dim strided): views into ``kv_cache``."""
     if layout == "kv_first":
         return kv_cache.unbind(0)
     if layout == "blocks_first":
@@ -74,6 +77,10 @@ def cache_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> tuple[to
     if layout == "packed":
         nhd = kv_cache.transpose(1, 2)
         return nhd[..., :head_size], nhd[..., head_size:2 * head_size]
+    if layout == "cpu":  # cpu_attn.py: view [blocks, heads, 2 * block_size, head_size], chunk(2, dim=2)
+        blocks, heads, block_size, _ = kv_cache.shape
+        keys = kv_cache.view(blocks, heads, 2, head_size, block_size)[:, :, 0]  # stored transposed
+        return keys.transpose(-1, -2), kv_cache.view(blocks, heads, 2, block_size, head_size)[:, :, 1]
     raise RopePoolError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}. Fix: pass the name of the "
                         "backend's cache layout, or None to read it from kv_cache's shape.")
 
@@ -147,7 +154,8 @@ def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cach
     if fp8 is not None and k_cache.dtype != fp8:
         k_cache, v_cache = k_cache.view(fp8), v_cache.view(fp8)
     rope_pool_fused(q, k, v, pos, slot_mapping, k_cache, v_cache, head_dim=head_size, num_qo_heads=q.shape[1],
-                    num_kv_heads=k.shape[1], rope=_table(cos_sin_cache, is_neox), kv_layout="NHD", q_out=q,
+                    num_kv_heads=k.shape[1], rope=_table(cos_sin_cache, is_neox),
+                    kv_layout="HND" if layout == "cpu" else "NHD", q_out=q,
                     k_out=k, backend=backend, **scales)
 
 
@@ -218,7 +226,7 @@ def _cpu_platform() -> bool:
 
 def register() -> list[str]:
     """The ``vllm.general_plugins`` entry point: install ropepool on vLLM's CUDA attention backends
-    (on vLLM's CPU build: nothing, with a warning saying why).
+    (on vLLM's CPU build: on its CPU backend and rotary op, ``vllm_cpu.register``).
 
     vLLM loads general plugins in every process (front end, engine core, workers). Returns the
     names of the backends it installed on; without vLLM it logs why and returns [].
@@ -229,11 +237,13 @@ def register() -> list[str]:
         log.warning("ropepool: vLLM is not importable (%s); the vLLM adapter was not installed. "
                     "ropepool.integrations.vllm.rope_and_cache can still be called directly.", e)
         return []
-    if _cpu_platform():
-        log.warning("ropepool: nothing installed on vLLM's CPU backend: it stores each block's keys transposed "
-                    "([head_size, block_size] per head, ops.cpu_attn_reshape_and_cache), and ropepool writes pools "
-                    "whose head_size is contiguous; vLLM serves as without ropepool (docs/engines.md).")
-        return []
+    if _cpu_platform():  # no fusion pass there: vllm_cpu.py says how ropepool is reached
+        from . import vllm_cpu
+
+        installed = vllm_cpu.register()
+        log.warning("ropepool: RoPE + KV-cache writes of vLLM's CPU backend go through ropepool (%s replaced; "
+                    "eager runs, cache dtypes float32/bfloat16/float16 with isa vec or vec16).", ", ".join(installed))
+        return installed
     installed = []
     for module, name in BACKENDS:
         try:
