@@ -86,10 +86,26 @@ def vllm_step(recs: Records) -> str:
                "engines ran vLLM's own RoPE and cache write: their difference is not ropepool's work (the same "
                "code in two processes of a shared machine)."
                if calls == 0 else f"ropepool did {calls:.2f} calls per layer and decode step (the RoPE + KV-cache "
-               "write of each attention layer); its share is the time inside those calls over the step's.")
+               f"write of each attention layer), {_call_us(r):,.0f} µs a call (median); its share is the time "
+               "inside those calls over the step's.")
+    earlier = "".join(f"\n\nEarlier, `{prev.file}`: {_one_line(pd['vllm_step'])}" for prev, pd in runs[:-1])
     return (f"A {m['num_hidden_layers']}-layer {m['family']} (hidden {m['hidden_size']}, {m['num_attention_heads']}"
             f"/{m['num_key_value_heads']} heads, {m['dtype']}, random weights), {r['prompts']} requests decoding "
             f"{r['max_tokens']} tokens a turn, {r['rounds']} turns of each engine interleaved; a step is vLLM's "
             "`EngineCore.step` (schedule, forward, sample, update), wall time in the engine's process; tokens "
             f"{'identical' if r['tokens_match'] else 'DIFFERENT'} with and without ropepool. {verdict}\n\n"
-            + "\n".join(lines) + "\n\n" + sources([rec]))
+            + "\n".join(lines) + earlier + "\n\n" + sources(rec for rec, _ in runs))
+
+
+def _call_us(r: dict) -> float:
+    """Median µs of one ropepool call in the decode steps of the engine with the plugin."""
+    steps = [st for t in r["turns"]["vLLM + ropepool"] for st in t["steps"] if st[3] == st[4] and st[1]]
+    return statistics.median(1e6 * st[2] / st[1] for st in steps)
+
+
+def _one_line(r: dict) -> str:
+    s = r["summary"]
+    a, b = s["vLLM + ropepool"], s["vLLM alone"]
+    return (f"{a['step_us_median']:,.0f} µs with the plugin loaded, {b['step_us_median']:,.0f} µs without "
+            f"({a['step_us_median'] / b['step_us_median']:.3f}x), {a['ropepool_calls_per_layer_step']:.2f} ropepool "
+            f"calls per layer and step, tokens {'identical' if r['tokens_match'] else 'DIFFERENT'}.")
