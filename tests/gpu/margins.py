@@ -45,9 +45,9 @@ def main() -> None:
                 with pytest.MonkeyPatch.context() as mp:
                     r = gpu.runs(family, dtype, mp, factor, **config)
                 row["requests"] = len(r.prompts)
-                row.update(stats(r, demo.Comparison(family, dtype, r.shipped, r.kernel), "hf"))
+                row.update(stats(r, demo.Comparison(family, dtype, [r.shipped], [r.kernel]), "hf"))
                 if r.torch_path is not None:
-                    row.update(stats(r, demo.Comparison(family, dtype, r.torch_path, r.kernel), "torch_path"))
+                    row.update(stats(r, demo.Comparison(family, dtype, [r.torch_path], [r.kernel]), "torch_path"))
             except Exception as e:  # noqa: BLE001  (recorded: the other cases still run)
                 row["error"] = repr(e)
             rows.append(row)

@@ -113,12 +113,12 @@ def tie_gaps(r: Runs, c: demo.Comparison) -> list:
 
 
 def check(family, dtype, r: Runs):
-    hf = demo.Comparison(family, dtype, r.shipped, r.kernel)
+    hf = demo.Comparison(family, dtype, [r.shipped], [r.kernel])
     if dtype == "float32":
         assert hf.max_logprob_diff < BOUND[dtype], f"log-probabilities differ by {hf.max_logprob_diff:.2e}"
         assert r.kernel.tokens == r.shipped.tokens
         return
-    same = demo.Comparison(family, dtype, r.torch_path, r.kernel)
+    same = demo.Comparison(family, dtype, [r.torch_path], [r.kernel])
     assert same.max_logprob_diff < BOUND[dtype], \
         f"log-probabilities differ by {same.max_logprob_diff:.2e} from ropepool's torch path"
     assert hf.max_logprob_diff < BOUND["bfloat16-hf"], \
