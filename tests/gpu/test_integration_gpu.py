@@ -40,13 +40,13 @@ DEVICE = "cuda"
 NEW_TOKENS = 12
 WRONG_BASES = (1.01, 0.99)
 # Largest |Δ log-probability| allowed: float32 against transformers, bfloat16 against the torch path, bfloat16
-# against transformers. Measured (docs/bench/cpu-2026-12-05-integration-margins.json, ropepool's CPU path; the H200
-# figures are in the h200-2026-12-05 margins record): float32 4.1e-6 at most with the right base, 3.3e-4 at least
-# (Gemma 3) with a base off by 1%: the bound is 12x the first and 6.6x under the second. bfloat16, a 1%-wrong base
-# against the torch path: 0.0345 at least: the bound is 2.3x under it. bfloat16 against transformers: 0.089 at most
-# with the right base (and as much with a wrong one): 2.8x.
+# against transformers. Measured on the H200 (docs/bench/h200-2026-12-05-integration-margins.json; the CPU path's
+# cpu-2026-12-05-integration-margins.json agrees): float32 4.8e-6 at most with the right base, 3.3e-4 at least
+# (Gemma 3) with every base off by 1%: the bound is 10x the first and 6.6x under the second. bfloat16 against the
+# torch path: 0 with the right base (the same log-probabilities), 0.031 at least with a 1%-wrong one: 2.1x under
+# it. bfloat16 against transformers: 0.087 at most with the right base (and as much with a wrong one): 2.9x.
 BOUND = {"float32": 5e-5, "bfloat16": 1.5e-2, "bfloat16-hf": 0.25}
-TIE = 0.25  # bf16 logits of the two tokens at a divergence may differ by this much (a near-tie; 0.047 at most seen)
+TIE = 0.25  # bf16 logits of the two tokens at a divergence may differ by this much (a near-tie; H200: 0.031 at most)
 CASES = [pytest.param(f, d, {}, id=f"{f}-{d}") for d in ("float32", "bfloat16") for f in demo.FAMILIES] + [
     pytest.param("llama", "float32", {"use_cuda_graph": True}, id="llama-float32-cuda-graphs")]
 
