@@ -6,6 +6,7 @@ MLX's active memory). Small tables and few heads: what is measured is what is re
 not how large a call is.
 """
 import gc
+import os
 import sys
 import weakref
 
@@ -206,6 +207,8 @@ def test_triton_launcher_keeps_no_table():
     reference: fresh tables are freed."""
     if not HAS["triton"]:
         pytest.skip("needs triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the launcher on CPU tensors, under the interpreter (set where there is no GPU)")
     plan.forget()
     refs = []
     for _ in range(4):
