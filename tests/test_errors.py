@@ -19,6 +19,7 @@ import pytest
 
 import ropepool
 from ropepool import CosSinCache, QKNorm, RopeSpec, plan
+from ropepool.spec import ScaleKey
 from tests.harness import HAS, NP_DTYPES, Backend, assert_same_bits, backend_for, cos_sin_table
 from tests.params import framework, on_backends
 
@@ -427,13 +428,16 @@ def test_rejected_after_an_equal_valid_call(good, bad, exc, match, X):
 # --- the torch layout cache --------------------------------------------------------------------
 
 SCALARS = ("head_dim", "num_qo_heads", "num_kv_heads", "rope_base", "rope", "layer", "k_scale", "v_scale",
-           "kv_layout", "backend", "qk_norm", "q_scale", "k_out_scale", "k_scale_cache", "v_scale_cache")
+           "kv_layout", "backend", "qk_norm", "q_scale", "k_out_scale")
 
 
 def cached(args):
     """The runner the layout cache holds for this call, or None (api.py's scalars and arrays)."""
-    full = {**dict.fromkeys(SCALARS + ("q_out", "k_out")), "rope_base": 10000.0, **args}
-    scalars = tuple(full[n] for n in SCALARS) + (full["q_out"] is None, full["k_out"] is None)
+    full = {**dict.fromkeys(SCALARS + ("q_out", "k_out", "k_scale_cache", "v_scale_cache")), "rope_base": 10000.0,
+            **args}
+    caches = (full["k_scale_cache"], full["v_scale_cache"])
+    scale_key = None if all(c is None for c in caches) else ScaleKey(map(id, caches))
+    scalars = tuple(full[n] for n in SCALARS) + (scale_key, full["q_out"] is None, full["k_out"] is None)
     return plan.lookup(scalars, tuple(full[n] for n in ARRAYS + ("q_out", "k_out")))
 
 

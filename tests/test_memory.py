@@ -292,3 +292,80 @@ def test_torch_and_mlx_calls_in_one_process_both_hit(monkeypatch):
         out = ropepool.rope_pool_fused(*margs, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope=spec)
         margs[5:7] = out[2:]
     assert checks == [mx.array], checks  # the torch layout was checked by _call above, before counting
+
+
+def _per_token_head_call(pools, scales, backend=None, check=False):
+    """One int8 per-token-head call (NHD pages of 4) writing ``pools`` and ``scales``; with ``check``, the
+    pools and scale caches it wrote equal, bit for bit, what vLLM's writer (the port in tests/vllm_reference.py)
+    stores from the returned k_rot and the given v, and q_rot/k_rot equal the float64 oracle."""
+    from tests import vllm_reference
+
+    q, k, v = (torch.randn(T, h, D) for h in (Hq, Hkv, Hkv))
+    pos, slots = torch.tensor([3, 0, 9]), torch.tensor([5, -1, 14])
+    before = [x.clone() for x in (*pools, *scales)]
+    out = ropepool.rope_pool_fused(q, k, v, pos, slots, *pools, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv,
+                                   kv_layout="NHD", k_scale_cache=scales[0], v_scale_cache=scales[1],
+                                   backend=backend)
+    if check:
+        want = [x.clone() for x in before]
+        vllm_reference.reshape_and_cache_per_token_head(out[1], v, *want, slots)
+        for got, exp in zip((*pools, *scales), want):
+            assert torch.equal(got, exp)
+        want = reference.rope_pool_fused(*(x.numpy() for x in (q, k, v, pos, slots, *before[:2])), head_dim=D,
+                                         num_qo_heads=Hq, num_kv_heads=Hkv, kv_layout="NHD",
+                                         k_scale_cache=before[2].numpy(), v_scale_cache=before[3].numpy())
+        for got, ref in zip(out[:2], want[:2]):
+            np.testing.assert_allclose(got.numpy(), ref, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("fresh_pools", [False, True], ids=["same-pools", "fresh-pools"])
+def test_fresh_scale_caches_are_freed(fresh_pools):
+    """2,000 fresh per-token-head scale caches (k_scale_cache, v_scale_cache), each pair called once and dropped,
+    over one pair of pools or fresh pools each time: every scale cache is freed, the layout cache keeps no key
+    for them, and the results are vLLM's writer's. One pair called 100 times is one key, checked once."""
+    plan.forget()
+    alive = _Alive()
+    shape = (P // 4, 4, Hkv)
+    same = [torch.zeros(*shape, D, dtype=torch.int8) for _ in range(2)]
+    for i in range(2000):
+        pools = [torch.zeros(*shape, D, dtype=torch.int8) for _ in range(2)] if fresh_pools else same
+        scales = [torch.zeros(shape) for _ in range(2)]
+        _per_token_head_call(pools, scales, check=i % 500 == 0)
+        for s in scales:
+            alive.watch(s)
+        assert len(plan._SEEN) <= 1
+        del scales, pools, s
+    assert alive.n == 0
+    assert len(plan._SEEN) == 0 and len(plan._WATCHED) == 0
+
+    scales = [torch.zeros(shape) for _ in range(2)]
+    checks = []
+    full_check = ropepool.validate.check
+    ropepool.validate.check = lambda *a, **kw: checks.append(type(a[0])) or full_check(*a, **kw)
+    try:
+        for i in range(100):
+            _per_token_head_call(same, scales, check=i == 99)
+    finally:
+        ropepool.validate.check = full_check
+    assert checks.count(torch.Tensor) == 1 and len(plan._SEEN) == 1
+    ref = weakref.ref(scales[0])
+    del scales
+    assert ref() is None and len(plan._SEEN) == 0
+
+
+def test_triton_launcher_keeps_no_scale_cache():
+    """The Triton launcher (here under its CPU interpreter) reads the scale caches per call through weak
+    references: fresh ones are freed, and what it wrote is vLLM's writer's."""
+    if not HAS["triton"]:
+        pytest.skip("needs triton")
+    plan.forget()
+    pools = [torch.zeros(P // 4, 4, Hkv, D, dtype=torch.int8) for _ in range(2)]
+    refs = []
+    for _ in range(4):
+        scales = [torch.zeros(P // 4, 4, Hkv) for _ in range(2)]
+        _per_token_head_call(pools, scales, backend="triton", check=True)
+        refs += [weakref.ref(s) for s in scales]
+        del scales
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+    assert len(plan._SEEN) == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import plan, validate
-from .spec import CosSinCache
+from .spec import CosSinCache, ScaleKey
 
 Array = Any  # a torch.Tensor or an mx.array
 
@@ -101,8 +101,11 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
     arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
     # A CosSinCache by its key: a new one over the same table finds the last one's layout (plan.py).
     rope_key = rope.key if type(rope) is CosSinCache else rope
+    # The scale caches by their ids, not held (plan.py watches them and drops the key when one is freed).
+    scale_key = None if k_scale_cache is None and v_scale_cache is None else \
+        ScaleKey((id(k_scale_cache), id(v_scale_cache)))
     scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, rope_key, layer, k_scale, v_scale, kv_layout, backend,
-               qk_norm, q_scale, k_out_scale, k_scale_cache, v_scale_cache, q_out is None, k_out is None)
+               qk_norm, q_scale, k_out_scale, scale_key, q_out is None, k_out is None)
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,

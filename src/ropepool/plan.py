@@ -19,10 +19,11 @@ caller arrays a key holds (scales, norm weights; past either bound all is
 forgotten and relearnt). An engine's cos/sin table is held only weakly: a
 key holds a ``CosSinCache``'s ``key`` (the table's id, its pairs), which any
 new ``CosSinCache`` over the same table shares, the runners read the table
-through ``Rotation.table_ref``, and when the table is freed its keys go. The
-per-token-head scale caches (``k_scale_cache``, ``v_scale_cache``) are the
-exception: held strongly and not counted, as the pools they belong to live
-as long as the engine.
+through ``Rotation.table_ref``, and when the table is freed its keys go.
+The per-token-head scale caches (``k_scale_cache``, ``v_scale_cache``) are
+held the same way: a key holds their ids (``ScaleKey``), the ``Call`` and
+the runners read them through weak references, and their keys go when
+either is freed.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from typing import Callable
 
 from . import backends
 from .dtypes import tracing
-from .spec import TableKey
+from .spec import ScaleKey, TableKey
 from .validate import Call, check_host_values
 
 
@@ -143,38 +144,41 @@ def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
 
 
 def _store(cache: dict, key: tuple, call: Call, value):
-    """``cache[key] = value`` within the bounds, the engine's table watched; returns value."""
+    """``cache[key] = value`` within the bounds, the engine's table and the scale caches watched; returns
+    value."""
     held = _held_bytes(key[0])
     if len(_SEEN) + len(_SEEN_MLX) >= _MAX_KEYS or _held[0] + held > _MAX_BYTES:
         forget()
-    table = call.rotation.table
-    if table is not None and id(table) not in _WATCHED:
-        _WATCHED[id(table)] = weakref.ref(table, functools.partial(_table_freed, id(table)))
+    for array in (call.rotation.table, call.k_scale_cache, call.v_scale_cache):
+        if array is not None and id(array) not in _WATCHED:
+            _WATCHED[id(array)] = weakref.ref(array, functools.partial(_array_freed, id(array)))
     _held[0] += held
     cache[key] = value
     return value
 
 
-# id(table) -> a weak reference to it, whose callback drops the keys of that table (a CosSinCache's key
-# holds the table's id): it runs when the table is freed, before its id can be another table's.
+# id(array) -> a weak reference to it, whose callback drops the keys of that array (a CosSinCache's key
+# holds its table's id, a ScaleKey the scale caches'): it runs when the array is freed, before its id can be
+# another array's.
 _WATCHED: dict = {}
 # At exit the caches go with the process: drop the watches first, so that no callback runs while the
 # interpreter's shutdown is setting this module's names to None.
 atexit.register(_WATCHED.clear)
 
 
-def _table_freed(table_id: int, ref) -> None:
-    _WATCHED.pop(table_id, None)
+def _array_freed(array_id: int, ref) -> None:
+    _WATCHED.pop(array_id, None)
     for cache in (_SEEN, _SEEN_MLX):
-        for key in [k for k in cache if any(type(x) is TableKey and x[0] == table_id for x in k[0])]:
+        for key in [k for k in cache if any(type(x) is TableKey and x[0] == array_id
+                                            or type(x) is ScaleKey and array_id in x for x in k[0])]:
             _held[0] -= _held_bytes(key[0])
             cache.pop(key, None)
 
 
 def _held_bytes(scalars) -> int:
-    """Bytes of the caller's arrays among these scalars that a key holds (scale caches not counted)."""
+    """Bytes of the caller's arrays among these scalars that a key holds."""
     n = 0
-    for x in scalars[:13]:  # k_scale_cache and v_scale_cache come after
+    for x in scalars:
         for a in getattr(x, "weights", (x,)):  # QKNorm: its weights
             nbytes = getattr(a, "nbytes", None)
             if isinstance(nbytes, int):

@@ -242,6 +242,13 @@ class TableKey(tuple):
     __slots__ = ()
 
 
+class ScaleKey(tuple):
+    """The per-token-head scale caches in a layout cache's key: (id of k_scale_cache, id of v_scale_cache).
+    Like TableKey, the key holds ids, not the arrays; plan.py drops it when either is freed."""
+
+    __slots__ = ()
+
+
 class CosSinCache:
     """An engine's own cos/sin table, used as it is (vLLM, sglang and FlashInfer format).
 

@@ -11,6 +11,7 @@ fix. docs/errors.md lists each one; tests/test_errors.py keeps the two in step.
 from __future__ import annotations
 
 import numbers
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -60,12 +61,22 @@ class Call:
     latent: bool = False  # rope_latent_fused: k_pe may be [T, rope_dim]
     # Per-token-head scales (vLLM's int8/fp8_per_token_head): float32 tensors shaped like the pools
     # without their last dim, written at the same slots; ``fp8`` is then the pools' format, int8 included.
-    k_scale_cache: object = None
-    v_scale_cache: object = None
+    # Held weakly (weakref.ref each, or None): a remembered runner must not keep the caller's caches alive
+    # (plan.py drops its keys when they are freed).
+    scale_refs: tuple = (None, None)
 
     @property
     def per_token_head(self) -> bool:
-        return self.k_scale_cache is not None
+        return self.scale_refs[0] is not None
+
+    @property
+    def k_scale_cache(self):
+        """The caller's k scale cache (None without one, or once the caller has dropped it)."""
+        return None if self.scale_refs[0] is None else self.scale_refs[0]()
+
+    @property
+    def v_scale_cache(self):
+        return None if self.scale_refs[1] is None else self.scale_refs[1]()
 
     @property
     def pool_size(self) -> int:
@@ -147,7 +158,7 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
         q_fp8 = k_fp8 = None
     call = Call(fw, dt, num_qo_heads, num_kv_heads, head_dim, head_dim, pool, dtype_name(k_pool), fp8, rotation,
                 rows, norm, k_scale, v_scale, q_fp8, q_scale, k_fp8, k_out_scale, _host_values(fw, positions),
-                k_scale_cache=caches[0], v_scale_cache=caches[1])
+                scale_refs=tuple(None if c is None else weakref.ref(c) for c in caches))
     if call.host_values:
         check_host_values(call, positions, slots)
     return call

@@ -18,6 +18,7 @@ which inductor may lay out differently from eager.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import List, Optional
 
@@ -214,17 +215,19 @@ class _Launch:
         self.constexprs = tuple({n: {**f, **strides}[n] for n in _CONSTEXPRS} for f in launcher.features)
         self.tails = tuple(tuple(c.values()) for c in self.constexprs)
         self.kernels: dict = {}  # (variant, alignment) -> compiled kernel
-        self.extras, self.long_from, self.table_ref = None, None, None  # an eager plan's (adopt)
+        self.extras, self.long_from, self.table_ref, self.scale_views = None, None, None, None  # adopt
         self.more = None  # the pointers after the arrays, when they never change (adopt)
         # Per variant, once compiled: (C launch function, programs a token, the args before the arrays',
         # the args after them).
         self.direct = [None, None]
 
-    def adopt(self, extras: tuple, long_from, fixed: bool, table_ref=None) -> "_Launch":
+    def adopt(self, extras: tuple, long_from, fixed: bool, table_ref=None, scale_views=None) -> "_Launch":
         """This layout as an eager plan's runner: the plan's extra tensors (``fixed``: their memory
         never changes, so their pointers are read once) and where LongRoPE switches factors. The engine's
-        table is kept as ``table_ref`` (weak): the layout cache keeps this runner, not the caller's table."""
-        self.extras, self.long_from, self.table_ref = (extras[0], None, *extras[2:]), long_from, table_ref
+        table is kept as ``table_ref`` (weak), the scale caches as ``scale_views`` (a function making their
+        views per call from weak references): the layout cache keeps this runner, not the caller's arrays."""
+        self.extras, self.long_from = (extras[0], None, *extras[2:8], None, None), long_from
+        self.table_ref, self.scale_views = table_ref, scale_views
         if fixed:
             self.more = _more_pointers(extras, None)
         return self
@@ -255,6 +258,8 @@ class _Launch:
                 extras, use_long = self.extras, _use_long(positions, self.long_from)
                 if self.table_ref is not None:
                     extras = (extras[0], self.table_ref(), *extras[2:])
+                if self.scale_views is not None:
+                    extras = (*extras[:8], *self.scale_views())
             self.launch(T, large, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras)
         return q_out, k_out, k_pool, v_pool
 
@@ -349,6 +354,13 @@ def _scale_tensor(scale, device):
     return torch.tensor([float(scale)], dtype=torch.float32, device=device)
 
 
+def _scale_views(call) -> tuple:
+    """The per-token-head scale caches as the kernel reads them (4-D NHD views of the layer written; None
+    where absent), made from the Call's weak references on each use: nothing kept holds them."""
+    return tuple(None if c is None else paged_view(c[..., None], call.pool)
+                 for c in (call.k_scale_cache, call.v_scale_cache))
+
+
 class Prepared:
     """A Call's Launcher and the tensors its kernel reads besides the arrays."""
 
@@ -365,12 +377,9 @@ class Prepared:
             qw, kw = (None, None) if call.norm is None else call.norm.weights
             freqs = rotation_freqs(rot, device)
             scales = (call.k_scale, call.v_scale, call.q_scale, call.k_out_scale)
-            caches = (None if c is None else paged_view(c[..., None], call.pool)
-                      for c in (call.k_scale_cache, call.v_scale_cache))
-            got = self._extras[device] = (freqs, None, qw, kw, *(_scale_tensor(s, device) for s in scales),
-                                          *caches)
-        table = self.call.rotation.table  # held weakly (spec.Rotation): never kept here
-        return got if table is None else (got[0], table, *got[2:])
+            got = self._extras[device] = (freqs, None, qw, kw, *(_scale_tensor(s, device) for s in scales))
+        table = self.call.rotation.table  # held weakly (spec.Rotation), as the scale caches: never kept here
+        return (got[0], table, *got[2:], *_scale_views(self.call))
 
     def fixed_pointers(self) -> bool:
         """Whether the kernel's extra tensors are all ropepool's own or the engine's table, whose memory
@@ -391,9 +400,10 @@ class Prepared:
         extras = self.extras(q.device)
         long_from = self.call.rotation.long_from if self.call.rotation.table is None else None
         if not torch.compiler.is_compiling():
+            views = functools.partial(_scale_views, self.call) if self.call.per_token_head else None
             return self.launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
                                       self.call.rotation.table, extras[8:]).adopt(
-                extras, long_from, self.fixed_pointers(), self.call.rotation.table_ref)
+                extras, long_from, self.fixed_pointers(), self.call.rotation.table_ref, views)
         op_args = self.launcher.args()
 
         def run(q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
