@@ -358,6 +358,8 @@ def test_triton_launcher_keeps_no_scale_cache():
     references: fresh ones are freed, and what it wrote is vLLM's writer's."""
     if not HAS["triton"]:
         pytest.skip("needs triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the launcher on CPU tensors, under the interpreter (set where there is no GPU)")
     plan.forget()
     pools = [torch.zeros(P // 4, 4, Hkv, D, dtype=torch.int8) for _ in range(2)]
     refs = []
