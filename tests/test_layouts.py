@@ -268,3 +268,37 @@ def test_strided_head_dim_pool_triton_refused(backend, rng):
         ropepool.rope_pool_fused(q, k, v, backend.array(make_positions(rng, T)), backend.array(slots), k_pool, v_pool,
                                  head_dim=D, num_qo_heads=HQ, num_kv_heads=HKV, kv_layout="HND", backend="triton")
     assert all(np.array_equal(b, backend.numpy(o), equal_nan=True) for b, o in zip(before, cache.owners))
+
+
+@pytest.mark.parametrize("name,dtype", crossed(list(STRIDED), ("float16", "bfloat16", "float32", "float8_e4m3fn")))
+@pytest.mark.parametrize("ps", [1, 16], ids=["ps1", "ps16"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["outputs", "in-place"])
+def test_strided_head_dim_pool_on_the_cpu_fast_path(monkeypatch, name, dtype, ps, in_place, rng):
+    """The CPU fast path (torch_cpu) takes such pools (vLLM's CPU route: in place, HND, page size 32 there):
+    the oracle's results, both pools written by it (its counter), and torch_eager's bytes bit for bit."""
+    torch = pytest.importorskip("torch")
+    from ropepool import plan
+    from ropepool.backends import paths, torch_cpu
+    from tests.harness import Backend
+
+    slots = make_slots(rng, T, 64, skip_every=4)
+    fp8 = dict(k_scale=np.array([0.37], np.float32), v_scale=0.5) if dtype.startswith("float8") else {}
+    X = Backend("torch", "cpu")
+    q, k, v = (X.array(x) for x in qkv(rng, "bfloat16" if fp8 else dtype))
+    positions = make_positions(rng, T)
+    caches = [strided_cache(rng, name, dtype, ps, slots) for _ in range(2)]
+    caches[1].owners = [o.copy() for o in caches[0].owners]
+    results = []
+    for fast, cache in zip((True, False), caches):
+        if not fast:  # the same call on torch_eager's general code
+            monkeypatch.setattr(torch_cpu, "covers", lambda call, arrays: False)
+        plan.forget()
+        cache.owners = [X.array(o) for o in cache.owners]
+        qi, ki, vi = (x.clone() for x in (q, k, v))
+        outs = dict(q_out=qi, k_out=ki) if in_place else {}
+        before = paths.count("torch_cpu.write")
+        results.append(run_checked(X, qi, ki, vi, positions, slots, cache, **outs, **fp8))
+        assert paths.count("torch_cpu.write") - before == (2 if fast else 0), "both pools by the fast path"
+    for got, want in zip((results[0].q_rot, results[0].k_rot, *caches[0].owners),
+                         (results[1].q_rot, results[1].k_rot, *caches[1].owners)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -371,3 +371,20 @@ def test_triton_launcher_keeps_no_scale_cache():
     gc.collect()
     assert sum(r() is not None for r in refs) == 0
     assert len(plan._SEEN) == 0
+
+
+def test_in_place_calls_find_their_layout(monkeypatch):
+    """q_out=q, k_out=k (vLLM's way): checked in full once, then found; outputs of their own are another key
+    (checked again), and the in-place layout is still found after them."""
+    plan.forget()
+    full, full_check = [], ropepool.validate.check
+    monkeypatch.setattr(ropepool.validate, "check", lambda *a, **kw: full.append(1) or full_check(*a, **kw))
+    q, k, v = (torch.randn(T, h, D) for h in (Hq, Hkv, Hkv))
+    args = (v, torch.arange(T), torch.arange(T), *(torch.zeros(P, Hkv, D) for _ in range(2)))
+    kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv)
+    for _ in range(3):
+        ropepool.rope_pool_fused(q, k, *args, q_out=q, k_out=k, **kw)
+    assert len(full) == 1
+    ropepool.rope_pool_fused(q, k, *args, q_out=torch.empty_like(q), k_out=torch.empty_like(k), **kw)
+    ropepool.rope_pool_fused(q, k, *args, q_out=q, k_out=k, **kw)
+    assert len(full) == 2

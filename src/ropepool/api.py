@@ -105,7 +105,7 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
     scale_key = None if k_scale_cache is None and v_scale_cache is None else \
         ScaleKey((id(k_scale_cache), id(v_scale_cache)))
     scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, rope_key, layer, k_scale, v_scale, kv_layout, backend,
-               qk_norm, q_scale, k_out_scale, scale_key, q_out is None, k_out is None)
+               qk_norm, q_scale, k_out_scale, scale_key, plan.out_kind(q_out, q), plan.out_kind(k_out, k))
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
@@ -152,7 +152,7 @@ def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, s
     """
     arrays = (q_pe, k_pe, kv_c, positions, slots, kpe_cache, ckv_cache, q_pe_out, None)
     rope_key = rope.key if type(rope) is CosSinCache else rope
-    scalars = ("latent", rope_key, kv_layout, layer, scale, backend, q_pe_out is None)
+    scalars = ("latent", rope_key, kv_layout, layer, scale, backend, plan.out_kind(q_pe_out, q_pe))
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope,

@@ -94,7 +94,7 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
         return None
     if entries and isinstance(arrays[0], _Tensor):
         q, k, v, positions, slots, k_pool, v_pool, q_out, k_out = arrays
-        tensors = arrays[:7] if q_out is None and k_out is None else tuple(x for x in arrays if x is not None)
+        tensors = arrays[:7] if q_out is None and k_out is None else _guarded(arrays)
         # The guard leaves every token dim free, each on its own: the counts must agree with q's.
         try:
             T = q.shape[0]
@@ -123,7 +123,7 @@ def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
         return
     if call.framework != "torch" or tracing("torch"):
         return
-    tensors = tuple(x for x in arrays if x is not None)
+    tensors = _guarded(arrays)
     # Only plain tensors: a subclass may change what validation saw.
     torch = sys.modules["torch"]
     _compiling, _Tensor = torch.compiler.is_compiling, torch.Tensor
@@ -141,6 +141,19 @@ def remember(scalars: tuple, arrays: tuple, call: Call, run: Callable) -> None:
         entries = _store(_SEEN, key, call, [])
     entries.append((guard, run, call if call.host_values else None))
     del entries[:-8]  # a few layouts per key in practice; never many
+
+
+def out_kind(out, x):
+    """An output argument as a key's scalar: None (not given), True (``x`` itself: in place), False."""
+    return None if out is None else out is x
+
+
+def _guarded(arrays: tuple) -> tuple:
+    """The tensors a guard checks: q_out / k_out only where they are not q / k themselves (in place: the
+    scalars say so). TensorGuards.check fails on a tensor passed twice, so an in-place call never hit."""
+    q, k, q_out, k_out = arrays[0], arrays[1], arrays[7], arrays[8]
+    return tuple(x for x in arrays[:7] if x is not None) + \
+        tuple(x for x, given in ((q_out, q), (k_out, k)) if x is not None and x is not given)
 
 
 def _store(cache: dict, key: tuple, call: Call, value):

@@ -52,8 +52,13 @@ def covers(call, arrays) -> bool:
     q = arrays[0]
     return (q.device.type == "cpu" and not (call.per_token_head or call.q_fp8 or call.k_fp8)
             and call.rotation.mrope_section is None and not torch.compiler.is_compiling()
-            and not any(x is not None and x.requires_grad for x in arrays[:3])
-            and all(p.stride(-1) == 1 or p.shape[-1] == 1 for p in arrays[5:7]))  # strided head dim: torch_eager
+            and not any(x is not None and x.requires_grad for x in arrays[:3]))
+
+
+def strided(arrays) -> bool:
+    """Whether a pool's head dim is strided (vLLM's CPU key cache, seen transposed): ``write`` stores
+    through the view; one_token's lane and the compiled step's pool writes are not tested with it."""
+    return any(p.stride(-1) != 1 and p.shape[-1] != 1 for p in arrays[5:7])
 
 
 def _scale(scale):
@@ -81,8 +86,8 @@ def _drop_tables() -> None:
 class Fast:
     """The runner for one checked Call (bound once per layout, like torch_eager.Prepared)."""
 
-    def __init__(self, call, freqs, general):
-        self.call, self.rot, self.general = call, call.rotation, general
+    def __init__(self, call, freqs, general, strided=False):
+        self.call, self.rot, self.general, self.strided = call, call.rotation, general, strided
         r, gptj = self.rot.rotary_dim, self.rot.gptj
         # x's rotated features seen as [..., 2, r/2] (NeoX: the pair's two halves) or [..., r/2, 2] (GPT-J);
         # cos/sin as [T, 1, 1, r/2] / [T, 1, r/2, 1] broadcast over them, the signs of -sin, sin over a pair.
@@ -108,7 +113,7 @@ class Fast:
         # one_token's lane: a flat pool of q's dtype, no norm, cos/sin of a table of ours
         self.pool_size = call.pool_size
         self.lane = self.flat and call.norm is None and (call.fp8 or call.pool_dtype == call.dtype) and \
-            self.tables is not None and self.rot.long_from is None
+            self.tables is not None and self.rot.long_from is None and not strided
 
     @property
     def source(self):
@@ -296,7 +301,7 @@ class Fast:
                 # k_rot is ky, every token written, and few tokens: from 256 inductor's scatter is slower
                 # than index_copy_ (measured), below the two ops cost more than the rows.
                 whole = lo >= 0 and self.rot.rotary_dim == k3.shape[2] and q.shape[0] <= _TABLE_TOKENS and \
-                    not self.call.fp8
+                    not self.call.fp8 and not self.strided
                 written = self.compiled_step(qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole)
         if not written:
             slots = slots.long()  # index_copy_'s index type

@@ -96,7 +96,8 @@ class Prepared:
 
     def bind(self, *arrays):
         if torch_cpu.covers(self.call, arrays):
-            return torch_cpu.Fast(self.call, rotation_freqs(self.call.rotation, arrays[0].device), self.run).run
+            return torch_cpu.Fast(self.call, rotation_freqs(self.call.rotation, arrays[0].device), self.run,
+                                  torch_cpu.strided(arrays)).run
         return self.run
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
