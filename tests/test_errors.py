@@ -437,7 +437,8 @@ def cached(args):
             **args}
     caches = (full["k_scale_cache"], full["v_scale_cache"])
     scale_key = None if all(c is None for c in caches) else ScaleKey(map(id, caches))
-    scalars = tuple(full[n] for n in SCALARS) + (scale_key, full["q_out"] is None, full["k_out"] is None)
+    scalars = tuple(full[n] for n in SCALARS) + (scale_key, plan.out_kind(full["q_out"], full["q"]),
+                                                 plan.out_kind(full["k_out"], full["k"]))
     return plan.lookup(scalars, tuple(full[n] for n in ARRAYS + ("q_out", "k_out")))
 
 
