@@ -9,6 +9,12 @@ from .spec import CosSinCache, ScaleKey
 Array = Any  # a torch.Tensor or an mx.array
 
 
+def _rope_key(rope):
+    """``rope`` as a layout key holds it: a CosSinCache by its key, so that a new one over the same table finds
+    the last one's layout and the key does not hold the table (plan.py)."""
+    return rope.key if type(rope) is CosSinCache else rope
+
+
 def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array, k_pool: Array, v_pool: Array, *,
                     head_dim: int, num_qo_heads: int, num_kv_heads: int, rope_base: float = 10000.0,
                     rope=None, layer: int | None = None, k_scale=None, v_scale=None, kv_layout: str | None = None,
@@ -99,13 +105,11 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
     (True, True)
     """
     arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
-    # A CosSinCache by its key: a new one over the same table finds the last one's layout (plan.py).
-    rope_key = rope.key if type(rope) is CosSinCache else rope
     # The scale caches by their ids, not held (plan.py watches them and drops the key when one is freed).
     scale_key = None if k_scale_cache is None and v_scale_cache is None else \
         ScaleKey((id(k_scale_cache), id(v_scale_cache)))
-    scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, rope_key, layer, k_scale, v_scale, kv_layout, backend,
-               qk_norm, q_scale, k_out_scale, scale_key, plan.out_kind(q_out, q), plan.out_kind(k_out, k))
+    scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, _rope_key(rope), layer, k_scale, v_scale, kv_layout,
+               backend, qk_norm, q_scale, k_out_scale, scale_key, plan.out_kind(q_out, q), plan.out_kind(k_out, k))
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
@@ -151,8 +155,7 @@ def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, s
     head's features permuted (evens, then odds).
     """
     arrays = (q_pe, k_pe, kv_c, positions, slots, kpe_cache, ckv_cache, q_pe_out, None)
-    rope_key = rope.key if type(rope) is CosSinCache else rope
-    scalars = ("latent", rope_key, kv_layout, layer, scale, backend, plan.out_kind(q_pe_out, q_pe))
+    scalars = ("latent", _rope_key(rope), kv_layout, layer, scale, backend, plan.out_kind(q_pe_out, q_pe))
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope,
