@@ -1,6 +1,6 @@
 """Benchmark rope_pool_fused; see docs/benchmarks.md. Same as `ropepool bench`."""
 import sys
 
-from ropepool.bench import main
+from ropepool.cli.bench import main
 
 sys.exit(main())

@@ -5,7 +5,7 @@ Features (issues 16-19, 22): ``table`` (an engine's cos/sin table; a layer witho
 (DeepSeek-V3's latent cache, bf16 and fp8), ``fp8q`` (fp8 q out beside an fp8 cache) and ``pth``
 (per-token-head int8 / e4m3 caches: each row's scale computed and stored in the same launch).
 Each provider is first checked against the float64 oracle on poisoned pools (every pool row
-it should not write must keep its poison), then timed with ``ropepool.bench.Clock``: CUDA-graph
+it should not write must keep its poison), then timed with ``ropepool.cli.bench.Clock``: CUDA-graph
 replay to 16384 tokens, back-to-back eager calls above. The method: docs/benchmarks_features.md.
 
     PYTHONPATH=src python benchmarks/features.py --out features/        # the GPU
@@ -26,14 +26,14 @@ import torch.nn.functional as F
 
 import ropepool
 from ropepool import reference
-from ropepool.bench import Clock, _flashinfer, environment, hf_rope_pool, op_bytes
+from ropepool.cli.bench import Clock, _flashinfer, environment, hf_rope_pool, op_bytes
 
 E4M3 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
 SCALE = 0.5  # fp8 caches and fp8 q hold value / 0.5 (FlashInfer multiplies: quant_scale = 1 / 0.5)
 EPS = 1e-6
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
-GRAPH_MAX = 16384  # graph replay up to here, eager calls above (as ropepool.bench)
+GRAPH_MAX = 16384  # graph replay up to here, eager calls above (as ropepool.cli.bench)
 CHECK_TOKENS = 1024  # tokens compared with the oracle (tokens are independent)
 LLAMA = ropepool.RopeSpec(head_dim=128, base=500000.0)
 GEMMA3 = ropepool.RopeSpec(head_dim=256, base=1e6, scaling={"rope_type": "linear", "factor": 8.0})
@@ -74,7 +74,7 @@ FEATURES = {
 
 
 def gqa_bytes(T, Hq, Hkv, D, *, q_out=2, k_out=2, pool=2, pos_rows=1, table=0):
-    """ropepool.bench.op_bytes, generalised: read bf16 q, k, v, int32 positions (1 or 3 rows) and slots,
+    """ropepool.cli.bench.op_bytes, generalised: read bf16 q, k, v, int32 positions (1 or 3 rows) and slots,
     ``table`` bytes of a cos/sin row per position row; write q_rot (q_out bytes an element), k_rot (0: not
     written) and the two pool rows."""
     return T * ((Hq + 2 * Hkv) * D * 2 + 4 * pos_rows + 4 + table * pos_rows
@@ -285,7 +285,7 @@ class GqaCtx(Ctx):
         return make
 
     def flashinfer(self, s):
-        """bf16: apply_rope_with_cos_sin_cache_inplace + append_paged_kv_cache (as ropepool.bench);
+        """bf16: apply_rope_with_cos_sin_cache_inplace + append_paged_kv_cache (as ropepool.cli.bench);
         fp8: the single rope_quantize_fp8_append_paged_kv_cache (GQA mode)."""
         Hq, Hkv, D = self.geo.heads
         T = s["q"].shape[0]

@@ -52,7 +52,7 @@ def main() -> int:
         import torch
 
         import ropepool
-        from ropepool.bench_report import cpu_name
+        from ropepool.cli.bench_report import cpu_name
 
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
         env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),

@@ -6,7 +6,7 @@ or the speed-up over eager (CPU). ``ropepool bench --out`` saves this plot itsel
 import argparse
 import json
 
-from ropepool.bench_report import plot
+from ropepool.cli.bench_report import plot
 
 
 def main():

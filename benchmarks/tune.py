@@ -11,7 +11,8 @@ import argparse
 
 import torch
 
-from ropepool import bench, plan, validate
+from ropepool import plan, validate
+from ropepool.cli import bench
 
 
 def main():

@@ -2,7 +2,7 @@
 
     flock /tmp/heavy.lock .venv-vllm/bin/python benchmarks/vllm_step.py --out docs/bench/cpu-DATE-vllm-step.json
 
-The engines of ``ropepool demo --engine vllm`` (ropepool.demo_vllm: the same tiny float32 Llama, each engine
+The engines of ``ropepool demo --engine vllm`` (ropepool.cli.demo_vllm: the same tiny float32 Llama, each engine
 in its own process with its worker in that process) take turns decoding the demo's 8 prompts greedily. Each
 ``EngineCore.step`` (schedule, forward, sample, update) is timed in the engine's process (wall time), with
 the time spent inside ropepool's public calls during it; a decode step is one whose every scheduled request
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from ropepool.demo_vllm import CONFIG, PROMPT_LENGTHS, start_both, write_checkpoint
+from ropepool.cli.demo_vllm import CONFIG, PROMPT_LENGTHS, start_both, write_checkpoint
 
 
 def decode_steps(result: dict) -> list:
@@ -49,7 +49,7 @@ def environment(note: str) -> dict:
 
     import torch
 
-    from ropepool.bench_report import cpu_name
+    from ropepool.cli.bench_report import cpu_name
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {"date": time.strftime("%Y-%m-%d"), "device": "cpu", "cpu": cpu_name(), "threads": torch.get_num_threads(),

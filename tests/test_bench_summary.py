@@ -1,7 +1,7 @@
 """The published figures are the records' figures.
 
 - Every generated block of README.md, docs/benchmarks.md, docs/benchmarks_features.md and
-  docs/mlx.md is what ``python -m ropepool.bench_summary`` derives from docs/bench/ now.
+  docs/mlx.md is what ``python -m ropepool.cli.bench_summary`` derives from docs/bench/ now.
 - A changed record value, and a record added for a measured cell, change the derived text.
 - Outside the generated blocks, the checked sections (``CHECKED``) hold no number that reads as a
   measurement: a number followed by µs, us, ms, %, x or tok/s, unless a comparator (>=, <=, at most,
@@ -15,8 +15,8 @@ import shutil
 
 import pytest
 
-from ropepool import bench_records, bench_summary
-from ropepool.bench_records import ROOT, Records
+from ropepool.cli import bench_records, bench_summary
+from ropepool.cli.bench_records import ROOT, Records
 
 # Which code a record measured comes from git: a copy of the tree without .git (the H200's) cannot tell.
 NEEDS_GIT = pytest.mark.skipif(bench_records._git("rev-parse", "HEAD") is None, reason="needs the git history")
@@ -37,7 +37,8 @@ def recs():
 @NEEDS_GIT
 def test_docs_match_records(recs):
     bad = bench_summary.differing(recs)
-    assert not bad, f"generated blocks differ from the records (run python -m ropepool.bench_summary --write): {bad}"
+    assert not bad, (f"generated blocks differ from the records (run python -m ropepool.cli.bench_summary --write): "
+                     f"{bad}")
 
 
 def test_every_block_is_placed(recs):

@@ -87,7 +87,7 @@ def test_mistake_is_one_line(argv, block, words):
 
 def options(module):
     """The options ``module``'s main() lists in --help."""
-    done = subprocess.run([sys.executable, "-c", f"from ropepool.{module} import main; main(['--help'])"],
+    done = subprocess.run([sys.executable, "-c", f"from ropepool.cli.{module} import main; main(['--help'])"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", done.stdout))
@@ -114,6 +114,6 @@ def test_vllm_demo_install_line_is_the_readmes():
     """The missing-vLLM error's fix is the README's vLLM line, which .ci/engines runs verbatim."""
     from pathlib import Path
 
-    from ropepool.demo_vllm import INSTALL
+    from ropepool.cli.demo_vllm import INSTALL
 
     assert INSTALL in (Path(__file__).parents[1] / "README.md").read_text().splitlines()

@@ -1,4 +1,4 @@
-"""``ropepool demo --engine vllm``'s meter (ropepool.demo_vllm.Meter), without vLLM: it must count and time
+"""``ropepool demo --engine vllm``'s meter (ropepool.cli.demo_vllm.Meter), without vLLM: it must count and time
 every ropepool call that an engine's plugin makes, however the calling module imported the function, or the
 demo would report "no calls" for a route that ran (tests/engines/test_vllm_demo.py runs the demo in vLLM)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ropepool  # noqa: E402
-from ropepool.demo_vllm import Meter  # noqa: E402
+from ropepool.cli.demo_vllm import Meter  # noqa: E402
 from ropepool.integrations import vllm as rv  # noqa: E402  (imports rope_pool_fused by name)
 
 

@@ -1,6 +1,6 @@
 """ropepool inside transformers' own continuous batching, against transformers itself (float32, CPU).
 
-For each hosted family (a small model from ``ropepool.demo``'s configs,
+For each hosted family (a small model from ``ropepool.cli.demo``'s configs,
 random weights): greedy ``generate_batch`` through ropepool gives exactly the
 tokens of ``generate_batch`` as shipped and of plain ``generate``, with the
 same log-probabilities; every attention layer makes one ``rope_pool_fused``
@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: this module
 pytest.importorskip("transformers")
 
 import ropepool  # noqa: E402
-from ropepool import demo
+from ropepool.cli import demo
 from ropepool.integrations import transformers as rp
 from ropepool.integrations.transformers import attention, paged
 from ropepool.integrations.transformers.model import attention_layers

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: this module
 transformers = pytest.importorskip("transformers")
 
 import ropepool  # noqa: E402
-from ropepool import demo
+from ropepool.cli import demo
 from ropepool.integrations import transformers as rp
 from ropepool.integrations.transformers import attention, latent
 from tests.test_hf_mla import V3_YARN, in_place

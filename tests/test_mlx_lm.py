@@ -30,7 +30,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import ropepool  # noqa: E402
-from ropepool.demo_mlx import CONFIGS, build  # noqa: E402
+from ropepool.cli.demo_mlx import CONFIGS, build  # noqa: E402
 from ropepool.integrations.mlx_lm import PooledAttention, PooledModel  # noqa: E402
 
 VOCAB = CONFIGS["llama"]["vocab_size"]

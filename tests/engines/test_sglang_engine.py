@@ -127,7 +127,7 @@ def runner_classes():
 
 
 def _config(family):
-    from ropepool.demo_mlx import CONFIGS
+    from ropepool.cli.demo_mlx import CONFIGS
 
     if family == "llama":  # no rope_scaling: sglang's gate sends Llama 3 scaling to its own path
         return {k: v for k, v in CONFIGS["llama"].items() if k != "rope_scaling"}
@@ -141,7 +141,7 @@ def _checkpoint(config, path):
     from mlx.utils import tree_flatten
     from tokenizers import Tokenizer, models
 
-    from ropepool.demo_mlx import build
+    from ropepool.cli.demo_mlx import build
 
     model = build(config, mx.float32)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -268,7 +268,7 @@ def test_sglang_mlx_runner_serves_through_ropepool(family, runner_classes, tmp_p
 
 
 def test_sglang_gate_keeps_llama3_scaling_on_its_own_path(runner_classes, tmp_path, monkeypatch, clean_modules):
-    from ropepool.demo_mlx import CONFIGS
+    from ropepool.cli.demo_mlx import CONFIGS
 
     _checkpoint(CONFIGS["llama"], tmp_path)
     monkeypatch.setenv("SGLANG_MLX_USE_CUSTOM_ROPE", "1")

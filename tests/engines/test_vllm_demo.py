@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 
 def test_demo_engine_vllm():
-    from ropepool.demo_vllm import CONFIG
+    from ropepool.cli.demo_vllm import CONFIG
     from ropepool.integrations.vllm import register
 
     routed = bool(register())  # what the plugin installs here (the engines' processes do the same)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from ropepool import demo
+from ropepool.cli import demo
 from tests.gpu import test_integration_gpu as gpu
 
 

@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: this module
 
 pytest.importorskip("transformers")
 
-from ropepool import demo  # noqa: E402
+from ropepool.cli import demo  # noqa: E402
 from ropepool.integrations import transformers as rp  # noqa: E402
 from ropepool.integrations.transformers import attention  # noqa: E402
 from ropepool.integrations.transformers.model import attention_layers  # noqa: E402

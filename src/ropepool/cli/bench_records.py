@@ -31,7 +31,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "docs" / "bench"
 
 # The code each device's figures depend on: the kernel and its launcher, the CPU path, the MLX path. A

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ropepool.bench_records import Records
-from ropepool.bench_summary import block, fmt_num, fmt_pct, sources, span
+from ropepool.cli.bench_records import Records
+from ropepool.cli.bench_summary import block, fmt_num, fmt_pct, sources, span
 
 GPU = "NVIDIA H200"
 LARGE = (16384, 65536)

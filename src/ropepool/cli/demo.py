@@ -202,8 +202,8 @@ def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prom
     """One family through transformers' batching as shipped and through ropepool, in turn: one untimed run
     of each (it fills caches and starts the compiles the CPU path runs in the background, which are waited
     for), then ``repeats`` timed runs of each, interleaved, on the same model and prompts."""
-    from .backends import torch_cpu_compiled
-    from .integrations import transformers as rp
+    from ..backends import torch_cpu_compiled
+    from ..integrations import transformers as rp
 
     model = build_model(family, dtype=dtype, device=device)
     CPU_TIME[0] = model.device.type == "cpu"
@@ -279,7 +279,7 @@ def record(results: list, device: str, note: str | None) -> dict:
 
     import torch
 
-    from ._version import __version__
+    from .._version import __version__
     from .bench_report import cpu_name
 
     env = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "device": str(device),
@@ -303,7 +303,7 @@ def record(results: list, device: str, note: str | None) -> dict:
 def main(argv=None) -> int:
     import torch
 
-    from .cli import Parser, alias, count, names_of, torch_device
+    from . import Parser, alias, count, names_of, torch_device
 
     p = Parser(prog="ropepool demo", description="Run small models of each family through transformers' own "
                "continuous batching, as shipped and with ropepool enabled; print tokens/s for both and whether "

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 
-from .cli import Parser, count
+from . import Parser, count
 
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2)
@@ -148,7 +148,7 @@ class Engine:
         env.pop("VLLM_PLUGINS", None)
         if not ropepool:
             env["VLLM_PLUGINS"] = ""  # vLLM loads no plugin
-        self.proc = subprocess.Popen([sys.executable, "-m", "ropepool.demo_vllm", "--child", path], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "ropepool.cli.demo_vllm", "--child", path], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         self.lines, self.log = queue.Queue(), []

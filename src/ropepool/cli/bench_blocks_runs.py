@@ -11,8 +11,8 @@ each tenth of it, then its start, middle and end. ``<!-- summary:test-memory FIL
 """
 from __future__ import annotations
 
-from ropepool.bench_records import Records
-from ropepool.bench_summary import block, fmt_num, sources
+from ropepool.cli.bench_records import Records
+from ropepool.cli.bench_summary import block, fmt_num, sources
 
 _MODES = {"graph": 0, "eager": 1}
 

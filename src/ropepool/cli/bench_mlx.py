@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 import ropepool
-from ropepool.bench_report import save_plot
+from ropepool.cli.bench_report import save_plot
 from ropepool.reference import rope_pool_fused as oracle
 
 GEOMETRIES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
@@ -207,7 +207,7 @@ def plot(records, env, path):
 
 
 def main(argv=None) -> int:
-    from .cli import Parser, alias, count, counts, names_of, out_paths, positive
+    from . import Parser, alias, count, counts, names_of, out_paths, positive
 
     p = Parser(prog="ropepool bench --framework mlx", description=__doc__.split("\n")[0])
     p.add_argument("--geometries", type=names_of(GEOMETRIES, all_=True), default="all",

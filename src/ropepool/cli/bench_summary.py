@@ -6,14 +6,14 @@ The docs hold generated blocks between markers::
     ...generated markdown, never edited by hand...
     <!-- /summary:NAME -->
 
-``python -m ropepool.bench_summary --write`` rewrites every block of ``DOCS`` in place from the
+``python -m ropepool.cli.bench_summary --write`` rewrites every block of ``DOCS`` in place from the
 records; ``--check`` exits 1 naming each block whose text differs (``tests/test_bench_summary.py``
 runs it in CI); without an option it prints the blocks.
 
 A block is a function of the records (and the marker's arguments) returning markdown, registered
 under its name::
 
-    from ropepool.bench_summary import block
+    from ropepool.cli.bench_summary import block
 
     @block("engine-step")
     def engine_step(recs: Records, *args: str) -> str:
@@ -44,11 +44,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ropepool.bench_records import ROOT, Cell, Ratios, Record, Records
+from ropepool.cli.bench_records import ROOT, Cell, Ratios, Record, Records
 
 DOCS = ("README.md", "docs/benchmarks.md", "docs/benchmarks_features.md", "docs/mlx.md")
-BLOCK_MODULES = ("ropepool.bench_blocks", "ropepool.bench_blocks_cpu", "ropepool.bench_blocks_runs",
-                 "ropepool.bench_blocks_demo")
+BLOCK_MODULES = ("ropepool.cli.bench_blocks", "ropepool.cli.bench_blocks_cpu", "ropepool.cli.bench_blocks_runs",
+                 "ropepool.cli.bench_blocks_demo")
 
 BLOCKS: dict[str, Callable[..., str]] = {}
 MARKER = re.compile(r"<!-- summary:(?P<name>[\w-]+)(?P<args>[^>]*?) -->\n(?P<body>.*?)<!-- /summary:(?P=name) -->",
@@ -157,7 +157,7 @@ def differing(recs: Records | None = None, root: Path = ROOT) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ropepool.bench_summary", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ropepool.cli.bench_summary", description=__doc__.split("\n")[0])
     p.add_argument("--write", action="store_true", help="rewrite the generated blocks of the docs in place")
     p.add_argument("--check", action="store_true", help="exit 1 if a generated block differs from the records")
     a = p.parse_args(argv)
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         for b in bad:
             print(f"differs from the records: {b}", file=sys.stderr)
         if bad:
-            print("run: python -m ropepool.bench_summary --write", file=sys.stderr)
+            print("run: python -m ropepool.cli.bench_summary --write", file=sys.stderr)
         return 1 if bad else 0
     for doc in DOCS:
         path = ROOT / doc
@@ -183,8 +183,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # Run as a script this file is ``__main__``; the blocks register in ``ropepool.bench_summary``.
-    from ropepool.bench_summary import main as _main
+    # Run as a script this file is ``__main__``; the blocks register in ``ropepool.cli.bench_summary``.
+    from ropepool.cli.bench_summary import main as _main
 
     sys.exit(_main())
 

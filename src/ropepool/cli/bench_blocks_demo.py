@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import statistics
 
-from ropepool.bench_records import Records
-from ropepool.bench_summary import block, sources
+from ropepool.cli.bench_records import Records
+from ropepool.cli.bench_summary import block, sources
 
 
 def _tok_s(row: dict, path: str, cpu: bool) -> list[float]:

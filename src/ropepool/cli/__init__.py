@@ -104,7 +104,7 @@ def env_report() -> int:
     import importlib.metadata as md
     import platform
 
-    from .backends import BACKENDS
+    from ..backends import BACKENDS
 
     print(f"python {platform.python_version()} on {platform.machine()}")
     for name in ("ropepool", "numpy", "torch", "triton", "mlx", "transformers"):
@@ -167,7 +167,7 @@ def _missing(cmd: str, framework: str) -> str | None:
 
 
 def main(argv=None) -> int:
-    from ._version import __version__
+    from .._version import __version__
 
     p = Parser(prog="ropepool", description="RoPE + KV-pool write, fused.")
     p.add_argument("--version", action="version", version=f"ropepool {__version__}")
@@ -196,6 +196,3 @@ def main(argv=None) -> int:
         p.error(f"unrecognized arguments: {' '.join(rest)} (ropepool env takes none)")
     return env_report()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -55,7 +55,7 @@ def run_family(family: str, dtype, new_tokens: int, seed: int = 0) -> dict:
     import numpy as np
     from mlx_lm.generate import generate_step
 
-    from .integrations.mlx_lm import PooledModel
+    from ..integrations.mlx_lm import PooledModel
 
     gen = np.random.default_rng(seed + 1)
     prompts = [gen.integers(0, _BASE["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]
@@ -73,7 +73,7 @@ def run_family(family: str, dtype, new_tokens: int, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    from .cli import Parser, alias, count, names_of
+    from . import Parser, alias, count, names_of
 
     p = Parser(prog="ropepool demo --framework mlx", description=__doc__.split("\n")[0])
     alias(p, "--model", p.add_argument("--families", type=names_of(tuple(CONFIGS), all_=True), default="all",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import ropepool
-from ropepool.bench_report import cpu_name
+from ropepool.cli.bench_report import cpu_name
 from ropepool.reference import rope_pool_fused as oracle
 
 GEOMETRIES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128), "h64-kv8": (64, 8, 128)}
@@ -356,8 +356,8 @@ def environment(device, dtype=None):
 def main(argv=None):
     from rich.progress import Progress
 
+    from . import Parser, alias, count, counts, names_of, out_paths, torch_device
     from .bench_report import plot, print_table, save_plot
-    from .cli import Parser, alias, count, counts, names_of, out_paths, torch_device
 
     cuda_here = torch.cuda.is_available()
     p = Parser(prog="ropepool bench", description=__doc__.split("\n")[0])
