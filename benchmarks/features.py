@@ -5,7 +5,7 @@ Features (issues 16-19, 22): ``table`` (an engine's cos/sin table; a layer witho
 (DeepSeek-V3's latent cache, bf16 and fp8), ``fp8q`` (fp8 q out beside an fp8 cache) and ``pth``
 (per-token-head int8 / e4m3 caches: each row's scale computed and stored in the same launch).
 Each provider is first checked against the float64 oracle on poisoned pools (every pool row
-it should not write must keep its poison), then timed with ``ropepool.cli.bench.Clock``: CUDA-graph
+it should not write must keep its poison), then timed with ``ropepool.cli.bench_clock.Clock``: CUDA-graph
 replay to 16384 tokens, back-to-back eager calls above. The method: docs/benchmarks_features.md.
 
     PYTHONPATH=src python benchmarks/features.py --out features/        # the GPU
@@ -26,7 +26,9 @@ import torch.nn.functional as F
 
 import ropepool
 from ropepool import reference
-from ropepool.cli.bench import Clock, _flashinfer, environment, hf_rope_pool, op_bytes
+from ropepool.cli.bench import environment, op_bytes
+from ropepool.cli.bench_clock import Clock
+from ropepool.cli.bench_providers import flashinfer_modules, hf_rope_pool
 
 E4M3 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -156,7 +158,7 @@ class Ctx:
         self.geo, self.device, self.P, self.cpu = geo, device, pool_size, cpu
         self.max_pos = 4096 if cpu else 131072  # positions drawn in [0, max_pos); tables of max_pos rows
         self.gen = torch.Generator(device=device).manual_seed(0)
-        self.fi = _flashinfer() if device.type == "cuda" else None
+        self.fi = flashinfer_modules() if device.type == "cuda" else None
         rot = geo.spec.rotation
         if rot.rotary_dim:
             freqs = torch.from_numpy(rot.freqs[0])

@@ -13,6 +13,8 @@ import torch
 
 from ropepool import plan, validate
 from ropepool.cli import bench
+from ropepool.cli.bench_clock import Clock
+from ropepool.cli.bench_providers import BASE
 
 
 def main():
@@ -24,7 +26,7 @@ def main():
     p.add_argument("--max-position", default="131072")
     a = p.parse_args()
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
-    clock = bench.Clock(dev)
+    clock = Clock(dev)
     print(f"{'geometry':>14} {'T':>6} {'max pos':>8} {'warps':>5} {'split':>5} {'µs':>8} {'copy µs':>8} {'% copy':>7}")
     for gname in a.geometries.split(","):
         Hq, Hkv, D = bench.GEOMETRIES[gname]
@@ -58,7 +60,7 @@ def main():
 def runner(s, kp, vp, Hq, Hkv, D, tuning):
     """One set's call, planned with ``tuning`` (validation in full once, then the plan's runner)."""
     arrays = (s["q"], s["k"], s["v"], s["positions"], s["slots"], kp, vp, None, None)
-    call = validate.check(*arrays[:7], head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope_base=bench.BASE)
+    call = validate.check(*arrays[:7], head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope_base=BASE)
     run = plan.make(call, s["q"], "triton", tuning).bind(*arrays)
     return lambda: run(*arrays)
 

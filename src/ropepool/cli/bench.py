@@ -14,7 +14,6 @@ floor. ``benchmarks/bench.py`` runs it; ``ropepool bench`` too.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import platform
@@ -25,12 +24,13 @@ import numpy as np
 import torch
 
 import ropepool
+from ropepool.cli.bench_clock import Clock
+from ropepool.cli.bench_providers import BASE, LAYOUTS, PAGE_SIZE, flashinfer_modules, providers
 from ropepool.cli.bench_report import cpu_name
 from ropepool.reference import rope_pool_fused as oracle
 
 GEOMETRIES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128), "h64-kv8": (64, 8, 128)}
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
-BASE = 500000.0
 
 
 @dataclass
@@ -52,128 +52,6 @@ def op_bytes(T, Hq, Hkv, D, elt, pool_elt, idx_elt=4):
     return T * ((Hq + 2 * Hkv) * D * elt + 2 * idx_elt + (Hq + Hkv) * D * elt + 2 * Hkv * D * pool_elt)
 
 
-# --- the unfused baseline, as transformers writes it -------------------------
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def hf_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq, scale=None):
-    """LlamaRotaryEmbedding + apply_rotary_pos_emb + index_copy_ into flat [P, H, D] pool views
-    (an fp8 pool stores value / scale, saturated)."""
-    freqs = positions[:, None].float() * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(q.dtype)[:, None], emb.sin().to(q.dtype)[:, None]
-    q_rot = q * cos + _rotate_half(q) * sin
-    k_rot = k * cos + _rotate_half(k) * sin
-    if scale is None:
-        k_pool.index_copy_(0, slots, k_rot)
-        v_pool.index_copy_(0, slots, v)
-    else:
-        # index_copy_ has no fp8 kernels: copy the bytes.
-        for pool, x in ((k_pool, k_rot), (v_pool, v)):
-            q8 = (x.float() / scale).clamp(-448.0, 448.0).to(pool.dtype)
-            pool.view(torch.uint8).index_copy_(0, slots, q8.view(torch.uint8))
-    return q_rot, k_rot
-
-
-# name -> (kv_layout, pool dtype or None for q's, scale): the pools the benchmark writes.
-LAYOUTS = {"flat": (None, None, None), "NHD": ("NHD", None, None), "fp8": (None, torch.float8_e4m3fn, 0.5)}
-PAGE_SIZE = 16
-
-
-@functools.lru_cache(maxsize=None)
-def _flashinfer():
-    """FlashInfer's rope and page modules, or None. With FI_PREBUILT set (a folder of
-    prebuilt JIT modules, NAME.so) they are loaded from there instead of JIT-built."""
-    try:
-        import flashinfer
-        import flashinfer.page  # noqa: F401
-        import flashinfer.rope  # noqa: F401
-    except Exception:
-        return None
-    pre = os.environ.get("FI_PREBUILT")
-    if pre:
-        from flashinfer.jit import core
-
-        build = core.JitSpecNvcc.try_load
-
-        def try_load(spec):
-            path = os.path.join(pre, spec.name + ".so")
-            return spec.load(path) if os.path.exists(path) else build(spec)
-
-        core.JitSpecNvcc.try_load = try_load
-    return flashinfer
-
-
-# --- timing -------------------------------------------------------------------
-class Clock:
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def _time(self, run, n, reps):
-        """Median and spread (IQR/median) of per-call time of ``run`` doing n calls."""
-        out = []
-        for _ in range(reps):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                run()
-                b.record()
-                b.synchronize()
-                out.append(a.elapsed_time(b) * 1e3 / n)
-            else:  # process CPU time: what the call costs, not what else the machine ran meanwhile
-                t = time.process_time_ns()
-                run()
-                out.append((time.process_time_ns() - t) / 1e3 / n)
-        q1, med, q3 = np.percentile(out, [25, 50, 75])
-        return med, 100 * (q3 - q1) / med
-
-    def eager(self, calls, budget_s=0.03, reps=5):
-        """Back-to-back calls from Python, rotating over the input sets (on CPU, with more and longer
-        repetitions: CPU time of small calls varies more than a GPU's)."""
-        if not self.cuda:
-            budget_s, reps = 0.2, 9
-        for c in calls:
-            c()
-        self.sync()
-        t = time.perf_counter()
-        calls[0]()
-        self.sync()
-        n = int(min(2000, max(len(calls), budget_s / max(time.perf_counter() - t, 1e-7))))
-
-        def run():
-            for i in range(n):
-                calls[i % len(calls)]()
-
-        return self._time(run, n, reps)
-
-    def graph(self, calls, reps=7):
-        """One CUDA graph holding one call per input set, replayed."""
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        replays = max(1, 200 // len(calls))
-
-        def run():
-            for _ in range(replays):
-                g.replay()
-
-        run()
-        return self._time(run, replays * len(calls), reps)
-
-
 # --- inputs -------------------------------------------------------------------
 def make_sets(T, Hq, Hkv, D, pool_size, dtype, device, rotate_bytes, gen):
     per_set = T * (2 * Hq + 4 * Hkv) * D * torch.finfo(dtype).bits // 8
@@ -188,58 +66,6 @@ def make_sets(T, Hq, Hkv, D, pool_size, dtype, device, rotate_bytes, gen):
             slots=torch.randperm(pool_size, generator=gen)[:T].to(torch.int32).to(device),
         ))
     return sets
-
-
-def providers(Hq, Hkv, D, device, layout):
-    kv_layout, _, scale = LAYOUTS[layout]
-    inv_freq = torch.tensor(ropepool.RopeSpec(head_dim=D, base=BASE).inv_freq, dtype=torch.float32, device=device)
-    extra = {} if scale is None else {"k_scale": scale, "v_scale": scale}
-    flat = (lambda p: p) if kv_layout is None else (lambda p: p.view(-1, Hkv, D))  # contiguous NHD pages
-
-    def rp(s, kp, vp):
-        return lambda: ropepool.rope_pool_fused(
-            s["q"], s["k"], s["v"], s["positions"], s["slots"], kp, vp, head_dim=D, num_qo_heads=Hq,
-            num_kv_heads=Hkv, rope_base=BASE, kv_layout=kv_layout, **extra)
-
-    compiled = torch.compile(hf_rope_pool)
-
-    def eager(s, kp, vp, fn=hf_rope_pool):
-        sl = s["slots"].long()
-        return lambda: fn(s["q"], s["k"], s["v"], s["positions"], sl, flat(kp), flat(vp), inv_freq, scale)
-
-    out = {"ropepool": rp, "eager": eager, "compiled": lambda s, kp, vp: eager(s, kp, vp, compiled)}
-    fi = _flashinfer() if device.type == "cuda" and scale is None else None
-    if fi is not None:
-        out["flashinfer"] = _flashinfer_provider(fi, Hq, Hkv, D, device, inv_freq, kv_layout)
-    return out
-
-
-def _flashinfer_provider(fi, Hq, Hkv, D, device, inv_freq, kv_layout):
-    """FlashInfer's rope (cos/sin cache, in place) + append_paged_kv_cache. Each token is a
-    one-token request whose page is its slot's page (page_size 1 for the flat pool)."""
-    max_pos = 131072
-    ang = torch.arange(max_pos, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1)
-
-    def make(s, kp, vp):
-        T = s["q"].shape[0]
-        q, k = s["q"].clone(), s["k"].clone()
-        pos = s["positions"].long()
-        ps = 1 if kv_layout is None else PAGE_SIZE
-        pages, in_page = s["slots"] // ps, s["slots"] % ps
-        batch = torch.arange(T, dtype=torch.int32, device=device)
-        indptr = torch.arange(T + 1, dtype=torch.int32, device=device)
-        last = (in_page + 1).to(torch.int32)
-        qf, kf = q.view(T, Hq * D), k.view(T, Hkv * D)
-        cache = (kp[:, None], vp[:, None]) if kv_layout is None else (kp, vp)
-
-        def fn():
-            fi.rope.apply_rope_with_cos_sin_cache_inplace(pos, qf, kf, D, cos_sin, is_neox=True)
-            fi.page.append_paged_kv_cache(k, s["v"], batch, in_page.to(torch.int32), cache, pages.to(torch.int32),
-                                          indptr, last, kv_layout="NHD")
-            return q, k
-        return fn
-    return make
 
 
 def reference(s, Hq, Hkv, D, max_tokens=4096):
@@ -346,7 +172,7 @@ def environment(device, dtype=None):
         import triton
 
         env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda, triton=triton.__version__)
-        fi = _flashinfer()
+        fi = flashinfer_modules()
         env["flashinfer"] = getattr(fi, "__version__", None)
     else:
         env.update(cpu=cpu_name(), threads=torch.get_num_threads())
