@@ -115,6 +115,47 @@ def test_nvfp4_scale_cases_reached():
     assert sf[0] == 1.0 and sf[1] == 0.0 and sf[3] == 0.0 and sf[4] == 448.0 and 0 < sf[6] < 2.0**-6
 
 
+@pytest.mark.parametrize("framework", ["torch", "mlx"])
+def test_nvfp4_array_math_as_model(framework):
+    """ropepool's NVFP4 store math (backends/blockquant.py) on torch and MLX == the model, every byte."""
+    pytest.importorskip(framework if framework == "torch" else "mlx.core")
+    from ropepool.backends import blockquant
+
+    rows = nvfp4_rows(np.random.default_rng(3), 33, 128, ml_dtypes.bfloat16).astype(np.float32)
+    want_data, want_sf = rq.nvfp4_rows(rows, 0.37)
+    if framework == "torch":
+        import torch
+
+        data, sf = blockquant.nvfp4(torch.from_numpy(rows), torch.tensor(0.37), blockquant.torch_ops())
+        data, sf = data.numpy(), sf.numpy()
+    else:
+        import mlx.core as mx
+
+        data, sf = blockquant.nvfp4(mx.array(rows), mx.array(0.37), blockquant.mlx_ops())
+        data, sf = np.array(data), np.array(sf)
+    assert_same_bits("data", data, want_data)
+    assert_same_bits("block scales", sf, want_sf.view(np.uint8))
+
+
+@pytest.mark.parametrize("group_size", rq.AFFINE_GROUP_SIZES)
+@pytest.mark.parametrize("bits", rq.AFFINE_BITS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_affine_torch_math_as_model(dtype, bits, group_size):
+    """ropepool's torch affine math == the model of mx.quantize (checked against mx.quantize above)."""
+    torch = pytest.importorskip("torch")
+    from ropepool.backends import blockquant
+
+    rows = affine_rows_input(np.random.default_rng(bits + group_size), 9, 128, dtype)
+    words, scales, biases = blockquant.affine_torch(torch.from_numpy(rows.astype(np.float32)), bits, group_size,
+                                                    getattr(torch, dtype))
+    want = rq.affine_rows(rows, bits, group_size)
+    assert_same_bits("words", words.numpy().view(np.uint32), want[0])
+    for name, got, w in (("scales", scales, want[1]), ("biases", biases, want[2])):
+        if got.dtype == torch.bfloat16:  # NumPy has no bfloat16 of its own
+            got = got.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        assert_same_bits(name, got.numpy() if isinstance(got, torch.Tensor) else got, w)
+
+
 # --- affine (mx.quantize, mlx-lm's QuantizedKVCache) ----------------------------------------------------
 
 AFFINE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
