@@ -91,7 +91,7 @@ def test_qk_norm(backend, name, dtype, rng):
 
 
 def test_norm_without_weight_ignores_offset(backend, rng):
-    """No weight means g = 1 (API.md 5.1), whatever weight_offset says."""
+    """No weight means g = 1 (docs/api.md, QKNorm), whatever weight_offset says."""
     norm = QKNorm(None, None, eps=1e-6, weight_offset=0.5)
     call(backend, rng, "float32", 5, 3, 1, 64, qk_norm=norm)
 

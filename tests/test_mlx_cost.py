@@ -1,4 +1,4 @@
-"""On MLX a call costs time in proportion to its tokens, never to the pool (API.md section 1: pools donated).
+"""On MLX a call costs time in proportion to its tokens, never to the pool (docs/api.md: MLX's pools are donated).
 
 Each case times a T = 1 call (evaluated, pools rebound as a decode loop does)
 on a small pool and on one 64 times larger, interleaved call by call in one

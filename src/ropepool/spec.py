@@ -60,7 +60,7 @@ class Rotation:
 
 
 def mrope_rows(half: int, section, interleaved: bool) -> np.ndarray:
-    """int ``[half]``: the position row (0 time, 1 height, 2 width) of each frequency (API.md 5.2)."""
+    """int ``[half]``: the position row (0 time, 1 height, 2 width) of each frequency (docs/api.md, RopeSpec: MRoPE)."""
     i = np.arange(half)
     if section is None:
         return np.zeros(half, dtype=np.int64)

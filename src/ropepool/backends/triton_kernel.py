@@ -217,7 +217,7 @@ def rope_pool_kernel(
     pos_ok = slot == slot  # the token's positions are inside the table (always, without one)
     if ROT > 0:
         p0 = tl.load(positions + t).to(tl.int64)
-        if MROPE:  # each frequency's row of [3, T] positions (API.md 5.2)
+        if MROPE:  # each frequency's row of [3, T] positions (docs/api.md, RopeSpec: MRoPE)
             p1 = tl.load(positions + pos_row_stride + t).to(tl.int64)
             p2 = tl.load(positions + 2 * pos_row_stride + t).to(tl.int64)
             if MROPE_INTERLEAVED:

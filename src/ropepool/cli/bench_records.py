@@ -2,11 +2,12 @@
 
 Every JSON record there is one run of one harness: ``ropepool bench`` / ``benchmarks/bench.py``
 (``rows`` with a ``layout``), ``benchmarks/features.py`` (``rows`` with a ``feature``), the peers
-harness kept outside the repository (``config`` + ``rows`` with ``shape``/``impl``), its Qwen3
-QK-norm anchor (``rows`` with ``shape``, no ``config``), ``ropepool bench --framework mlx``
-(``records``) and the host-cost runs (``host_rows``). Each row becomes a ``Run`` under a ``Key``:
-(device, variant, geometry, provider, mode, tokens, dtype). Records of the same cell join it, so a
-record added later (a new file, never an overwrite) is picked up without any code change.
+harness kept outside the repository (docs/benchmarks.md says what it ran; ``config`` + ``rows`` with
+``shape``/``impl``), its Qwen3 QK-norm anchor (``rows`` with ``shape``, no ``config``),
+``ropepool bench --framework mlx`` (``records``) and the host-cost runs (``host_rows``). Each row becomes a
+``Run`` under a ``Key``: (device, variant, geometry, provider, mode, tokens, dtype). Records of the
+same cell join it, so a record added later (a new file, never an overwrite) is picked up without any
+code change.
 
 Which code a record measured: ``env.commit`` where the record carries it, else the commit
 ``docs/bench/provenance.json`` gives for it (from its run's docs), else the last commit that wrote
