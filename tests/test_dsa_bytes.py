@@ -217,3 +217,26 @@ def test_indexer_misuse(rng, kw, width, message):
     with pytest.raises(RopePoolError, match=r"^" + re.escape(message)):
         reference_dsa.rope_indexer(q, k, np.arange(3), np.arange(3), np.zeros((8, width), np.uint8),
                                    rope=RopeSpec(head_dim=D, rotary_dim=64), **kw)
+
+
+@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_store_math_is_the_oracles(rng, framework, dtype):
+    """backends/dsa_store on torch tensors and MLX arrays: the oracle's bytes, both formats, both scale formats."""
+    from ropepool.backends import dsa_store
+
+    if framework == "mlx":
+        pytest.importorskip("mlx.core")
+    fw = Backend("mlx") if framework == "mlx" else CPU
+    ops = dsa_store.mlx_ops() if framework == "mlx" else dsa_store.torch_ops()
+    kv_c, k_pe = scaled_rows(rng, 9, 512, dtype), randn(rng, 9, 64, dtype=dtype)
+    rows = dsa_store.ds_mla_rows(fw.array(kv_c), fw.array(k_pe), ops)
+    np.testing.assert_array_equal(np.array(rows) if framework == "mlx" else rows.numpy(),
+                                  reference_dsa.ds_mla_rows(kv_c, k_pe))
+    k = scaled_rows(rng, 9, 256, dtype)
+    for ue8m0 in (False, True):
+        values, scales = dsa_store.indexer_rows(fw.array(k), ue8m0, ops)
+        want_values, want_scales = reference_dsa.indexer_quantize(k, ue8m0)
+        np.testing.assert_array_equal(np.array(values) if framework == "mlx" else values.numpy(), want_values)
+        got = np.array(scales) if framework == "mlx" else scales.numpy()
+        np.testing.assert_array_equal(got.view("<f4"), want_scales)
