@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 
 SERVE = Path(__file__).with_name("vllm_serve.py")
 FAMILIES = ["llama", "qwen3", "gptj", "gemma3"]
+QK_NORM = ("qwen3", "gemma3")  # per-head q/k RMS norms before RoPE
 BF16 = "llama@bfloat16"
 # DeepSeek V2 (MLA) in bfloat16: vLLM's AMX_MLA backend (picked on this AMX CPU) refuses float32 weights
 MLA = "deepseek_v2@bfloat16"
@@ -104,7 +105,7 @@ def test_cpu_cache_written_as_vllm_writes_it(isa, dtype):
 def test_register_on_cpu_installs_the_route():
     from ropepool.integrations.vllm import register
 
-    assert register() == ["CPU_ATTN", "RotaryEmbedding"]
+    assert register() == ["CPU_ATTN", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -121,12 +122,15 @@ def test_float32_tokens_identical(tp1, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_token_of_every_layer(tp1, family):
     """Every layer's every step went through ropepool, and its calls covered exactly the tokens vLLM
-    computed: each prompt's uncached tokens plus one per decode step after the first token."""
+    computed: each prompt's uncached tokens plus one per decode step after the first token. Qwen3's and
+    Gemma 3's q/k norms ran inside those calls (``qk_norm=``), never as vLLM's own norm op."""
     r = ok(tp1[0][0], family)
     calls = r.get("calls", [])
     assert calls and routes(r) == Counter(ropepool=len(calls)), f"{family}: calls by route {dict(routes(r))}"
+    norms = Counter(c[7] for c in calls)  # who normalised q and k: "ropepool" (in the call), "vllm", "-" (no norm)
+    assert norms == Counter({"ropepool" if family in QK_NORM else "-": len(calls)}), f"{family}: q/k norms {norms}"
     per_layer, steps = Counter(), Counter()
-    for _pid, _rank, layer, _route, tokens, _qh, _kvh in calls:
+    for _pid, _rank, layer, _route, tokens, _qh, _kvh, _norm in calls:
         per_layer[layer] += int(tokens)
         steps[layer] += 1
     expected = sum(n - c for n, c in zip(prompt_lengths(), r["cached"])) + len(r["cached"]) * (MAX_TOKENS - 1)

@@ -49,6 +49,11 @@ def checkpoint(family: str, path: str) -> None:
             num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1))  # every layer dense
     else:
         raise SystemExit(f"unknown family {family!r}")
+    if family == "gemma3":  # Gemma scales embeddings by sqrt(hidden): at full size the last token's embedding
+        model.model.embed_tokens.weight.data *= 0.1  # decides the next token whatever the context (measured)
+    for name, w in model.named_parameters():  # q/k norm gains other than HF's 1 (0 for Gemma's 1 + w): a norm
+        if name.endswith(("q_norm.weight", "k_norm.weight")):  # skipped or applied twice changes the tokens
+            w.data += 0.5 * torch.randn_like(w)
     model.save_pretrained(path)
 
 

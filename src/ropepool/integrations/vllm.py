@@ -105,7 +105,7 @@ def _table(cos_sin_cache: torch.Tensor, is_neox: bool) -> CosSinCache:
 
 def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cache, slot_mapping, *,
                    kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, layout: str | None = None,
-                   backend: str | None = None, k_scale_cache=None, v_scale_cache=None) -> None:
+                   backend: str | None = None, k_scale_cache=None, v_scale_cache=None, qk_norm=None) -> None:
     """What vLLM's ``do_rope_and_kv_cache_update`` does, as one ``ropepool.rope_pool_fused`` call.
 
     Parameters
@@ -130,6 +130,8 @@ def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cach
         ``head_size`` data elements then the 4 bytes of the scale.
     layout : a key of ``LAYOUTS``; None reads it from kv_cache's shape.
     backend : ropepool backend (None: the Triton kernel on CUDA, the torch path elsewhere).
+    qk_norm : a ``ropepool.QKNorm`` (the model's per-head q/k RMS norms, e.g. Qwen3's), applied to
+        query and key in the same call; None: query and key are rotated as given.
     """
     if kv_cache_dtype not in CACHE_DTYPES:
         raise RopePoolError(f"kv_cache_dtype {kv_cache_dtype!r} is not one ropepool writes; expected one of "
@@ -156,7 +158,7 @@ def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cach
     rope_pool_fused(q, k, v, pos, slot_mapping, k_cache, v_cache, head_dim=head_size, num_qo_heads=q.shape[1],
                     num_kv_heads=k.shape[1], rope=_table(cos_sin_cache, is_neox),
                     kv_layout="HND" if layout == "cpu" else "NHD", q_out=q,
-                    k_out=k, backend=backend, **scales)
+                    k_out=k, backend=backend, qk_norm=qk_norm, **scales)
 
 
 # --- the vLLM plugin -----------------------------------------------------------------------------------

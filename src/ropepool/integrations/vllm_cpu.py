@@ -19,8 +19,14 @@ public extension points, registered by ``register()`` in every vLLM process:
   an HND pool whose head dim is strided (``cache_views(..., "cpu")``). The AMX layout (isa amx,
   bfloat16 on an AMX CPU) packs differently: those layers stay vLLM's, with a warning.
 
-A deferred rotation that no ropepool layer takes (a model that changes q or k between
-RoPE and attention) raises instead of running unrotated. Compiled runs (no
+- ``CustomOp.register_oot(name="RMSNorm")`` and ``(name="GemmaRMSNorm")``: a per-head q/k norm
+  (an attention module's ``q_norm`` / ``k_norm``: Qwen3, Gemma 3, ...) normalises nothing
+  either; the attention layer passes the norms' weights as ``qk_norm=`` to the same call, so
+  norm, RoPE and write are one ropepool call. Which norms are q/k norms is read when the
+  model is built: torch's public module-registration hook sees each ``self.q_norm = ...``.
+
+A deferred rotation or norm that no ropepool layer takes (a model that changes q or k between
+norm, RoPE and attention) raises instead of running unrotated or unnormalised. Compiled runs (no
 ``enforce_eager``) rotate and write as vLLM does: dynamo would trace the deferral away.
 """
 from __future__ import annotations
@@ -31,19 +37,25 @@ import os
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.custom_op import CustomOp
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from ..errors import RopePoolError
+from ..norm import QKNorm
 from .vllm import rope_and_cache
 
 log = logging.getLogger(__name__)
 ISAS = ("vec", "vec16")  # the cpu_attn_reshape_and_cache layouts probed (tests/engines/test_vllm_engine.py)
 
-# The rotation left for the next attention layer: (key's data pointer, positions, table, is_neox).
+# The rotation left for the next attention layer: (key's data pointer, positions, table, is_neox, norms).
 _pending: list = []
+# The q/k norms left for the next rotary op: "q" / "k" -> (data pointer of the tensor not normalised, norm module).
+_norms: dict = {}
+# Whether a q/k norm ran vLLM's own op since the last attention layer (counted, ROPEPOOL_VLLM_CALLS).
+_vllm_norm: list = []
 # id(forward context's layer dict) -> whether every attention layer in it is ropepool's.
 _served: dict = {}
 
@@ -74,30 +86,101 @@ def _model_served() -> bool:
     return hit[1]
 
 
+def _eager_cpu(x) -> bool:
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _never_applied(what: str):
+    raise RopePoolError(f"a {what} deferred to the next attention layer was never applied: some layer between it "
+                         "and attention changed q or k. Fix: serve this model without ropepool (VLLM_PLUGINS='' or "
+                         "a VLLM_PLUGINS list without ropepool).")
+
+
+class _DeferredQKNorm:
+    """A per-head q/k RMS norm (tagged by ``_tag`` when the model is built) that the next ropepool attention
+    layer applies, fused with RoPE and the write; any other norm, or a call ropepool cannot defer, is vLLM's."""
+
+    offset = 0.0  # QKNorm.weight_offset: the gain is offset + weight
+
+    def forward(self, x, *args, **kwargs):
+        role = getattr(self, "_ropepool_role", None)
+        if role is None:
+            return super().forward(x, *args, **kwargs)
+        if (not args and not kwargs and x.dim() == 3 and tuple(self.weight.shape) == (x.shape[-1],) and _eager_cpu(x)
+                and getattr(self, "variance_size_override", None) is None and _model_served()):
+            if role in _norms:
+                _never_applied("q/k norm")
+            _norms[role] = (x.data_ptr(), self)
+            return x
+        _vllm_norm.append(role)
+        return super().forward(x, *args, **kwargs)
+
+
+class DeferredRMSNorm(_DeferredQKNorm, RMSNorm):
+    """vLLM's ``RMSNorm`` (Qwen3's q/k norms: ``x * rsqrt(mean(x^2) + eps) * w``)."""
+
+
+class DeferredGemmaRMSNorm(_DeferredQKNorm, GemmaRMSNorm):
+    """vLLM's ``GemmaRMSNorm`` (Gemma 3's q/k norms: the gain is ``1 + w``)."""
+
+    offset = 1.0
+
+
+def _tag(module, name, submodule):
+    """torch's module-registration hook: marks an attention module's ``q_norm`` / ``k_norm`` (per-head norms;
+    a norm over all heads, as OLMo 2 has, is told apart at the call by its weight's size)."""
+    if name in ("q_norm", "k_norm") and isinstance(submodule, _DeferredQKNorm):
+        submodule._ropepool_role = name[0]
+
+
+def _take_norms(query, key):
+    """The deferred q and k norms if they were deferred for exactly this query and key (else raises)."""
+    if not _norms:
+        return None
+    q, k = _norms.pop("q", None), _norms.pop("k", None)
+    _norms.clear()
+    if q is None or k is None or q[0] != query.data_ptr() or key is None or k[0] != key.data_ptr():
+        _never_applied("q/k norm")
+    return q[1], k[1]
+
+
 class DeferredRotaryEmbedding(RotaryEmbedding):
     """vLLM's ``RotaryEmbedding`` whose rotation the next ropepool attention layer does."""
 
     def forward(self, positions, query, key=None, *args, **kwargs):
-        if (key is None or args or kwargs or query.device.type != "cpu" or torch.compiler.is_compiling()
-                or not _model_served()):
+        norms = _take_norms(query, key)
+        if key is None or args or kwargs or not _eager_cpu(query) or not _model_served():
+            if norms is not None:
+                _never_applied("q/k norm")
             return super().forward(positions, query, key, *args, **kwargs)
         if _pending:
-            raise RopePoolError("a RoPE deferred to the next attention layer was never applied: some layer "
-                                "between RoPE and attention changed the key. Fix: serve this model without "
-                                "ropepool (VLLM_PLUGINS='' or a VLLM_PLUGINS list without ropepool).")
-        _pending.append((key.data_ptr(), positions, self._match_cos_sin_cache_dtype(query), self.is_neox_style))
+            _never_applied("RoPE")
+        _pending.append((key.data_ptr(), positions, self._match_cos_sin_cache_dtype(query), self.is_neox_style,
+                         norms))
         return query, key
 
 
-def _count(layer, route: str, q, k) -> None:
-    """With ROPEPOOL_VLLM_CALLS=path, one line per layer call: pid, tp rank, layer, route, tokens, heads."""
+def _count(layer, route: str, q, k, norm: str) -> None:
+    """With ROPEPOOL_VLLM_CALLS=path, one line per layer call: pid, tp rank, layer, route, tokens, heads, and
+    who normalised q and k since the last layer (``ropepool``: in this call; ``vllm``: vLLM's norm op; ``-``)."""
     path = os.environ.get("ROPEPOOL_VLLM_CALLS")
     if path:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         with open(path, "a") as f:
             f.write(f"{os.getpid()} {get_tensor_model_parallel_rank()} {layer.layer_name} {route} {q.shape[0]} "
-                    f"{q.shape[1]} {k.shape[1]}\n")
+                    f"{q.shape[1]} {k.shape[1]} {norm}\n")
+
+
+def _qk_norm(impl, norms) -> QKNorm | None:
+    """The layer's ``QKNorm`` from its deferred q and k norm modules (built once per layer)."""
+    if norms is None:
+        return None
+    held = getattr(impl, "_ropepool_norm", None)
+    if held is None or held[0] is not norms[0] or held[1] is not norms[1]:
+        q, k = norms
+        held = impl._ropepool_norm = (q, k, QKNorm(q.weight, k.weight, eps=q.variance_epsilon, weight_offset=q.offset))
+    return held[2]
 
 
 class CPUImpl(CPUAttentionBackendImpl):
@@ -106,9 +189,11 @@ class CPUImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         pending = _pending.pop() if _pending else None
-        if pending is not None and (key is None or pending[0] != key.data_ptr()):
-            raise RopePoolError(f"layer {layer.layer_name}: the key given to attention is not the one RoPE was "
-                                "deferred for. Fix: serve this model without ropepool (VLLM_PLUGINS='').")
+        if _norms or (pending is not None and (key is None or pending[0] != key.data_ptr())):
+            raise RopePoolError(f"layer {layer.layer_name}: the key given to attention is not the one RoPE or its "
+                                "q/k norm was deferred for. Fix: serve this model without ropepool (VLLM_PLUGINS='').")
+        vllm_norm = "vllm" if _vllm_norm else "-"
+        _vllm_norm.clear()
         if attn_metadata is not None and self.attn_type not in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER) \
                 and self.kv_sharing_target_layer_name is None:
             slots = get_forward_context().slot_mapping.get(layer.layer_name)
@@ -116,11 +201,13 @@ class CPUImpl(CPUAttentionBackendImpl):
                 n = slots.shape[0]
                 if pending is None:  # rotated by vLLM's rotary op: vLLM's own write
                     self.do_kv_cache_update(layer, key, value, kv_cache, slots)
-                    _count(layer, "vllm", query[:n], key)
+                    _count(layer, "vllm", query[:n], key, vllm_norm)
                 else:
-                    _, positions, table, is_neox = pending
-                    rope_and_cache(query, key, value, positions, table, is_neox, kv_cache, slots, layout="cpu")
-                    _count(layer, "ropepool", query[:n], key)
+                    _, positions, table, is_neox, norms = pending
+                    qk_norm = _qk_norm(self, norms)
+                    rope_and_cache(query, key, value, positions, table, is_neox, kv_cache, slots, layout="cpu",
+                                   qk_norm=qk_norm)
+                    _count(layer, "ropepool", query[:n], key, vllm_norm if qk_norm is None else "ropepool")
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                output_block_scale)
 
@@ -138,8 +225,11 @@ class CPUBackend(CPUAttentionBackend):
 def register() -> list[str]:
     """Install on vLLM's CPU platform (once per process); the names of what was installed."""
     if not getattr(register, "done", False):
-        CustomOp.register_oot(DeferredRotaryEmbedding, name="RotaryEmbedding")
-        DeferredRotaryEmbedding.name = RotaryEmbedding.name  # register_oot renames it; keep vLLM's custom_ops switch
+        for ours, theirs in ((DeferredRotaryEmbedding, RotaryEmbedding), (DeferredRMSNorm, RMSNorm),
+                             (DeferredGemmaRMSNorm, GemmaRMSNorm)):
+            CustomOp.register_oot(ours, name=theirs.__name__)
+            ours.name = theirs.name  # register_oot renames it; keep vLLM's custom_ops switch
+        torch.nn.modules.module.register_module_module_registration_hook(_tag)
         register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.CPUBackend")
         register.done = True
-    return ["CPU_ATTN", "RotaryEmbedding"]
+    return ["CPU_ATTN", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm"]
