@@ -37,6 +37,8 @@ Paths counted now (keep this list in step):
 - ``torch_cpu.write``: the CPU path wrote one pool (k or v) with torch ops;
 - ``torch_cpu.one_token``: a one-token CPU call took ``Fast.one_token``'s
   lane (fused q/k view, table rows as views, a copy_ per pool row);
+- ``torch_cpu.compiled_one_token``: a one-token CPU call ran in one call of
+  inductor's code (``torch_cpu_compiled.one_token``: rotation and both pools);
 - ``torch_cpu.compiled_step``: a CPU call rotated q and k in inductor's
   compiled step (``torch_cpu_compiled``);
 - ``torch_cpu.compiled_write``: that step also wrote both pools.

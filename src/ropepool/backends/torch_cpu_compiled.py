@@ -18,8 +18,13 @@ it does not check (the dtypes, the flip's axis, which outputs are their
 inputs) keys the cache, and each torch_cpu layout keeps its functions so that
 a call does not rebuild that key.
 
-Used from ``MIN_TOKENS`` tokens (one token's q and k are rotated as one tensor
-by five ops, as fast). Compiling a graph takes seconds (~5 s; ~0.5 s where
+``rotate`` runs ``_step`` from ``MIN_TOKENS`` tokens. A decode call (one token,
+outputs of its own, a written slot, pools of one layer) runs ``_one`` through
+``one_token``: one graph per layout, its token count the constant 1, that
+rotates q and k into new outputs, picks the table's rows and writes both pools
+(flat, NHD or HND; fp8 quantized as torch_cpu writes it): ~12 us a call where
+torch_cpu's one-token lane of torch ops takes ~25 and ``torch.compile`` of the
+eager code ~30 (docs/benchmarks.md). Compiling a graph takes seconds (~5 s; ~0.5 s where
 inductor has it on disk), so no call waits for it: a layout's calls run the
 torch ops until it has been seen ``COMPILE_AFTER`` times, then its graph
 compiles in a background thread (one log line on the ``ropepool`` logger
@@ -40,6 +45,8 @@ import os
 import threading
 import time
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -75,6 +82,55 @@ def _step(q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows, *, 
         v_rows.index_copy_(0, rows, v)
 
 
+def _one(q, k, v, cos, sin, positions, slots, k_pool, v_pool, k_scale, v_scale, *, pairs, pair_dim, fp8_max,
+         kv_layout, page_size):
+    """One token's ``out = x * cos + swap(x) * sin`` for q and k (cos, sin: tables, picked at ``positions``),
+    and k_rot's and v's rows into the pools (flat, or NHD / HND pages of ``page_size``) at ``slots``, stored
+    as ``row / scale`` saturated where ``fp8_max`` (as torch_cpu.Fast.write). Returns q_rot, k_rot."""
+    cos, sin = cos[positions], sin[positions]
+    rotated = []
+    for x in (q, k):
+        xf = x.unflatten(-1, pairs).float()
+        rotated.append((xf * cos + xf.flip(pair_dim) * sin).to(x.dtype).flatten(-2))
+    slot = slots.long()
+    page, row = slot // page_size, slot % page_size
+    # HND: a page's rows of one head are apart: indexed [T, H] (page, head, row), as the rows are [T, H, D]
+    rows = (slot,) if kv_layout is None else (page, row) if kv_layout == "NHD" else \
+        (page[:, None], torch.arange(k_pool.shape[1]), row[:, None])
+    for pool, x, scale in ((k_pool, rotated[1], k_scale), (v_pool, v, v_scale)):
+        if fp8_max:
+            x = (x.float() / (scale.view(-1, 1) if scale.numel() > 1 else scale)).clamp(-fp8_max, fp8_max)
+        pool.index_put_(rows, x.to(pool.dtype))  # (index_copy_ has no fp8 kernels)
+    return rotated
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A function to compile with its constants, and which arguments are the table, positions, slots and
+    pools (the examples it is checked on hold values valid for them); part of a compiled function's key."""
+
+    fn: Callable
+    consts: tuple  # (name, value) pairs: keyword arguments of fn
+    what: str  # for the log line
+    table: int
+    positions: int
+    slots: int
+    pools: tuple
+
+    def run(self, *args):
+        return self.fn(*args, **dict(self.consts))
+
+
+_STEPS = {d: Graph(_step, (("pair_dim", d),), "rotation", 2, 6, 8, (9, 10)) for d in (-1, -2)}
+
+
+def one_token_graph(pairs, pair_dim, fp8_max, kv_layout, page_size) -> Graph:
+    """``_one``'s Graph: q, k, v, cos, sin, positions, slots, k_pool, v_pool, k_scale, v_scale."""
+    consts = (("pairs", pairs), ("pair_dim", pair_dim), ("fp8_max", fp8_max), ("kv_layout", kv_layout),
+              ("page_size", page_size))
+    return Graph(_one, consts, "one-token step", 3, 5, 6, (7, 8))
+
+
 def mode() -> str:
     """``ROPEPOOL_CPU_COMPILE``: "off", "sync" or "on" (anything else)."""
     value = os.environ.get("ROPEPOOL_CPU_COMPILE", "on").lower()
@@ -83,6 +139,11 @@ def mode() -> str:
 
 def enabled() -> bool:
     return not _state["failed"] and mode() != "off"
+
+
+def failed() -> bool:
+    """Whether compiling or running a graph failed (the ops serve every call from then on)."""
+    return _state["failed"]
 
 
 def wanted(tokens: int) -> bool:
@@ -102,24 +163,24 @@ def _aliases(args) -> tuple:
     return tuple(None if view is None else views.index(view) for view in views)
 
 
-def _key(args, pair_dim, aliases):
-    return pair_dim, aliases, tuple(None if x is None else (x.dtype, x.shape[1:], x.stride()[1:], x.is_contiguous())
-                                    for x in args)
+def _key(args, graph, aliases):
+    # A size 1 is traced as a constant, never a symbol: a pool of one row (or page) is a graph of its own.
+    return graph, aliases, tuple(None if x is None else (x.dtype, x.shape[1:], x.stride()[1:], x.is_contiguous(),
+                                                         x.shape[:1] == (1,)) for x in args)
 
 
-def _examples(args, aliases):
+def _examples(args, graph, aliases):
     """Tensors of their own shaped and strided as the distinct ``args``, with values: random floats, table
     positions, distinct slots of pools of a few rows (a graph is checked on these, never on a caller's data)."""
-    q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows = args
-    T, gen = q.shape[0], torch.Generator().manual_seed(0)
-    sizes = {9: 2 * T + 1, 10: 2 * T + 1}  # the pools: their row count is symbolic
+    T, gen = args[0].shape[0], torch.Generator().manual_seed(0)  # q's tokens
+    sizes = dict.fromkeys(graph.pools, 2 * T + 1)  # the pools: their row count is symbolic
     out = {}
     for i in sorted({i for i in aliases if i is not None}):
         x = args[i]
-        t = torch.empty_strided((sizes.get(i, x.shape[0]), *x.shape[1:]), x.stride(), dtype=x.dtype)
-        if i == 6:
-            t.copy_(torch.randint(0, cos.shape[0], (T,), generator=gen))
-        elif i == 8:
+        t = torch.empty_strided((sizes[i], *x.shape[1:]) if i in sizes else x.shape, x.stride(), dtype=x.dtype)
+        if i == graph.positions:
+            t.copy_(torch.randint(0, args[graph.table].shape[0], (T,), generator=gen))
+        elif i == graph.slots:
             t.copy_(torch.randperm(2 * T + 1, generator=gen)[:T])
         else:
             t.copy_(torch.randn(t.shape, generator=gen))
@@ -127,8 +188,8 @@ def _examples(args, aliases):
     return tuple(None if i is None else out[i] for i in aliases)
 
 
-def _compile(args, pair_dim, aliases):
-    """Inductor's code for ``_step`` over the distinct arguments (an alias is traced as one tensor, so
+def _compile(args, graph, aliases):
+    """Inductor's code for ``graph.fn`` over the distinct arguments (an alias is traced as one tensor, so
     inductor sees the in-place write of what the flip reads)."""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental import _config as fx_config
@@ -137,43 +198,47 @@ def _compile(args, pair_dim, aliases):
     distinct = sorted({i for i in aliases if i is not None})
 
     def traced(*tensors):
-        _step(*(None if i is None else tensors[distinct.index(i)] for i in aliases), pair_dim=pair_dim)
+        return graph.run(*(None if i is None else tensors[distinct.index(i)] for i in aliases))
 
     # Traced on tensors of their own: q and k views of one QKV row share memory but never overlap, and an
     # in-place write to a view of shared memory is what AOTAutograd cannot trace symbolically.
     examples = [torch.empty_strided(args[i].shape, args[i].stride(), dtype=args[i].dtype) for i in distinct]
     with fx_config.patch(use_duck_shape=False):
-        graph = make_fx(traced, tracing_mode="symbolic")(*examples)
-    fn = compile_fx(graph, [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"])
+        traced_graph = make_fx(traced, tracing_mode="symbolic")(*examples)
+    fn = compile_fx(traced_graph, [n.meta["val"] for n in traced_graph.graph.nodes if n.op == "placeholder"])
+    if distinct == list(range(len(args))):  # every argument its own tensor: called as is (a wrapper costs ~1 us)
+        return fn
     return lambda *a: fn(*(a[i] for i in distinct))
 
 
 def _same_bits(got, want) -> bool:
+    if got.dtype.itemsize == 1:  # fp8: its bytes (NaN included)
+        return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     return bool(((got == want) | (got.isnan() & want.isnan())).all())
 
 
-def _checked(fn, args, pair_dim) -> bool:
-    """Whether ``fn``'s results (outputs, written pool rows) on ``args`` are the torch ops' bit for bit."""
-    q, k, cos, sin, q_out, k_out, positions, v, slots, k_rows, v_rows = args
-    q0, k0 = q.clone(), k.clone()
-    fn(*args)
-    want = [torch.empty_like(q_out), torch.empty_like(k_out)]
-    _step(q0, k0, cos, sin, *want, positions, None, None, None, None, pair_dim=pair_dim)
-    got = [q_out, k_out]
-    if slots is not None:
-        rows = slots.long()
-        got += [k_rows[rows], v_rows[rows]]
-        want += [want[1].flatten(2), v]
-    return all(_same_bits(g, w) for g, w in zip(got, want))
+def _checked(fn, args, graph) -> bool:
+    """Whether ``fn``'s results on ``args`` (its outputs and every tensor it writes: outputs, whole pools)
+    are those of ``graph.run`` as torch ops on copies of them, bit for bit."""
+    copies = {}
+    for x in args:  # the same aliases among the copies
+        if x is not None and id(x) not in copies:
+            copies[id(x)] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).copy_(x)
+    mine = [None if x is None else copies[id(x)] for x in args]
+    got, want = fn(*args), graph.run(*mine)
+    got, want = ([] if r is None else list(r) for r in (got, want))
+    got += [x for x in args if x is not None]
+    want += [x for x in mine if x is not None]
+    return len(got) == len(want) and all(_same_bits(g, w) for g, w in zip(got, want))
 
 
-def _build(key, args, pair_dim, aliases) -> None:
+def _build(key, args, graph, aliases) -> None:
     """Compile ``key``'s graph, check it on inputs of its own, and hand it to the layouts waiting for it
     (or give up: the ops then serve every call)."""
     t = time.perf_counter()
     try:
-        fn = _compile(args, pair_dim, aliases)
-        if not _checked(fn, _examples(args, aliases), pair_dim):
+        fn = _compile(args, graph, aliases)
+        if not _checked(fn, _examples(args, graph, aliases), graph):
             _give_up("its results differ from the torch ops'")
             return
         if len(_compiled) >= _MAX_COMPILED:
@@ -189,30 +254,29 @@ def _build(key, args, pair_dim, aliases) -> None:
         bound[known] = fn
     seconds = time.perf_counter() - t
     if seconds > 1:
-        _log.info("ropepool: compiled the CPU rotation of %s q/k%s in %.1f s (a layout called %s)", args[0].dtype,
-                  " and its pool writes" if args[8] is not None else "", seconds,
-                  "now: ROPEPOOL_CPU_COMPILE=sync" if mode() == "sync" else
+        _log.info("ropepool: compiled the CPU %s of %s q/k in %.1f s (a layout called %s)", graph.what,
+                  args[0].dtype, seconds, "now: ROPEPOOL_CPU_COMPILE=sync" if mode() == "sync" else
                   f"{COMPILE_AFTER} times; in the background, torch ops served the calls meanwhile")
 
 
-def rotate(q, k, cos, sin, pair_dim: int, q_out, k_out, bound: dict, positions=None, writes=None) -> bool:
-    """``_step`` in one compiled call (``writes``: None or (v, slots, k_rows, v_rows)); False where it did
-    not run (not compiled yet, or compiling failed): the outputs and pools are then the caller's.
+def _function(bound: dict, known, args, graph):
+    """``graph``'s compiled function for these arguments, or None where there is none yet (not compiled,
+    compiling, or compiling failed).
 
-    ``bound``: the caller's functions for one layout of the arguments (torch_cpu.Fast's), by which outputs
-    are their inputs and which of positions and writes are given, or the count of its calls until there is
-    one; working out the full key costs more than the call (~15 us)."""
-    args = (q, k, cos, sin, q_out, k_out, positions, *(writes or (None,) * 4))
-    known = (q_out.data_ptr() == q.data_ptr(), k_out.data_ptr() == k.data_ptr(), positions is None, writes is None)
+    ``bound``: the caller's functions for one layout of the arguments (torch_cpu.Fast's), by ``known`` (what
+    else of the arguments tells graphs apart: which outputs are their inputs, which arguments are given), or
+    the count of its calls until there is one; working out the full key costs more than the call (~15 us)."""
     fn = bound.get(known, 0)
     if not isinstance(fn, int):
-        return _run(fn, args)
+        return fn
+    if not enabled():
+        return None
     sync = mode() == "sync"
     if not sync and (fn + 1) % COMPILE_AFTER:  # not yet (and, while compiling, look again every so often)
         bound[known] = fn + 1
-        return False
+        return None
     aliases = _aliases(args)
-    key = _key(args, pair_dim, aliases)
+    key = _key(args, graph, aliases)
     if key not in _compiled:
         with _lock:
             waiting = _pending.get(key)
@@ -222,32 +286,61 @@ def rotate(q, k, cos, sin, pair_dim: int, q_out, k_out, bound: dict, positions=N
                 waiting.append((bound, known))
         if waiting is not None:
             bound[known] = fn + 1
-            return False
+            return None
         if sync:
-            _build(key, args, pair_dim, aliases)
+            _build(key, args, graph, aliases)
         else:
             # Daemon: a process that ends while it compiles does not wait for it.
-            threading.Thread(target=_build, args=(key, args, pair_dim, aliases), daemon=True,
+            threading.Thread(target=_build, args=(key, args, graph, aliases), daemon=True,
                              name="ropepool-compile").start()
             bound[known] = fn + 1
-            return False
+            return None
     fn = _compiled.get(key)
-    if fn is None:  # it failed (and said so)
-        return False
-    bound[known] = fn
-    return _run(fn, args)
+    if fn is not None:  # (None: it failed, and said so)
+        bound[known] = fn
+    return fn
 
 
-def _run(fn, args) -> bool:
-    try:
-        fn(*args)  # inductor's code asserts every size and stride before it writes
-    except Exception as e:  # a layout its asserts reject: the ops, from now on
-        _give_up(f"{type(e).__name__}: {e}")
+def rotate(q, k, cos, sin, pair_dim: int, q_out, k_out, bound: dict, positions=None, writes=None) -> bool:
+    """``_step`` in one compiled call (``writes``: None or (v, slots, k_rows, v_rows)); False where it did
+    not run (not compiled yet, or compiling failed): the outputs and pools are then the caller's.
+    ``bound``: as ``_function``'s."""
+    args = (q, k, cos, sin, q_out, k_out, positions, *(writes or (None,) * 4))
+    known = (q_out.data_ptr() == q.data_ptr(), k_out.data_ptr() == k.data_ptr(), positions is None, writes is None)
+    fn = _function(bound, known, args, _STEPS[pair_dim])
+    if fn is None or _run(fn, args) is _FAILED:
         return False
     paths.took("torch_cpu.compiled_step")
-    if args[8] is not None:
+    if writes is not None:
         paths.took("torch_cpu.compiled_write")
     return True
+
+
+def one_token(args, graph, bound: dict):
+    """``_one``'s ``q_rot, k_rot`` for ``args`` (q, k, v, cos, sin, positions, slots, k_pool, v_pool, k_scale,
+    v_scale), the pools written, in one compiled call; None where it did not run (not compiled yet, or
+    compiling failed): nothing is written then. ``graph``: a ``Graph`` of ``_one``; ``bound``: as
+    ``_function``'s."""
+    fn = _function(bound, "one", args, graph)
+    if fn is None:
+        return None
+    out = _run(fn, args)
+    if out is _FAILED:
+        return None
+    paths.took("torch_cpu.compiled_one_token")
+    return out
+
+
+_FAILED = object()
+
+
+def _run(fn, args):
+    """``fn(*args)``'s result, or _FAILED where it raised."""
+    try:
+        return fn(*args)  # inductor's code asserts every size and stride before it writes
+    except Exception as e:  # a layout its asserts reject: the ops, from now on
+        _give_up(f"{type(e).__name__}: {e}")
+        return _FAILED
 
 
 def _give_up(problem: str) -> None:
