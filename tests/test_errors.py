@@ -11,6 +11,7 @@ the ``raise`` statements of src/ropepool.
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
 import re
 
@@ -19,7 +20,6 @@ import pytest
 
 import ropepool
 from ropepool import CosSinCache, QKNorm, RopeSpec, plan
-from ropepool.spec import ScaleKey
 from tests.harness import HAS, NP_DTYPES, Backend, assert_same_bits, backend_for, cos_sin_table
 from tests.params import framework, on_backends
 
@@ -435,10 +435,7 @@ def cached(args):
     """The runner the layout cache holds for this call, or None (api.py's scalars and arrays)."""
     full = {**dict.fromkeys(SCALARS + ("q_out", "k_out", "k_scale_cache", "v_scale_cache")), "rope_base": 10000.0,
             **args}
-    caches = (full["k_scale_cache"], full["v_scale_cache"])
-    scale_key = None if all(c is None for c in caches) else ScaleKey(map(id, caches))
-    scalars = tuple(full[n] for n in SCALARS) + (scale_key, plan.out_kind(full["q_out"], full["q"]),
-                                                 plan.out_kind(full["k_out"], full["k"]))
+    scalars = plan.pool_key(**{n: full[n] for n in inspect.signature(plan.pool_key).parameters})
     return plan.lookup(scalars, tuple(full[n] for n in ARRAYS + ("q_out", "k_out")))
 
 

@@ -4,15 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import plan, validate
-from .spec import CosSinCache, ScaleKey
 
 Array = Any  # a torch.Tensor or an mx.array
-
-
-def _rope_key(rope):
-    """``rope`` as a layout key holds it: a CosSinCache by its key, so that a new one over the same table finds
-    the last one's layout and the key does not hold the table (plan.py)."""
-    return rope.key if type(rope) is CosSinCache else rope
 
 
 def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array, k_pool: Array, v_pool: Array, *,
@@ -105,11 +98,8 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
     (True, True)
     """
     arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
-    # The scale caches by their ids, not held (plan.py watches them and drops the key when one is freed).
-    scale_key = None if k_scale_cache is None and v_scale_cache is None else \
-        ScaleKey((id(k_scale_cache), id(v_scale_cache)))
-    scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, _rope_key(rope), layer, k_scale, v_scale, kv_layout,
-               backend, qk_norm, q_scale, k_out_scale, scale_key, plan.out_kind(q_out, q), plan.out_kind(k_out, k))
+    scalars = plan.pool_key(head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout,
+                            q_out, k_out, backend, qk_norm, q_scale, k_out_scale, k_scale_cache, v_scale_cache, q, k)
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
@@ -155,7 +145,7 @@ def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, s
     head's features permuted (evens, then odds).
     """
     arrays = (q_pe, k_pe, kv_c, positions, slots, kpe_cache, ckv_cache, q_pe_out, None)
-    scalars = ("latent", _rope_key(rope), kv_layout, layer, scale, backend, plan.out_kind(q_pe_out, q_pe))
+    scalars = plan.latent_key(rope, kv_layout, layer, scale, q_pe_out, backend, q_pe)
     run = plan.lookup(scalars, arrays)
     if run is None:
         call = validate.check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope,

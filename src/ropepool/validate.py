@@ -15,8 +15,9 @@ import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import backends
 from .checks import _check_strides, _convert_hint, _installed, _ints, _reshape, _same_place, _shape
-from .dtypes import FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, dtype_name, framework_of, tracing
+from .dtypes import FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, QMAX, dtype_name, framework_of, tracing
 from .errors import RopePoolError
 from .layout import PoolGeometry
 from .norm import QKNorm
@@ -29,6 +30,7 @@ from .pool_checks import (
     _check_scale_caches,
 )
 from .spec import CosSinCache, RopeSpec, Rotation
+from .stores import PLAIN, Store, Stores
 from .values import check_values
 
 _ARRAYS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool")
@@ -47,40 +49,31 @@ class Call:
     v_head_dim: int  # of v; MLA's latent width
     pool: PoolGeometry  # of k_pool; v_pool's rows are v_head_dim wide
     pool_dtype: str
-    fp8: str | None  # the pools' fp8 format, if they are fp8
     rotation: Rotation
     position_rows: int  # 3 for [3, num_tokens] MRoPE positions
     norm: QKNorm | None
-    k_scale: object  # None, a float, or an array of one element or [num_kv_heads]
-    v_scale: object
-    q_fp8: str | None  # fp8 q_out: its format, and q_scale
-    q_scale: object
-    k_fp8: str | None
-    k_out_scale: object
+    # How each destination stores its rows (stores.py): formats, bounds, scales. Per-token-head scale caches
+    # are held weakly (Store.scale_ref): a remembered runner must not keep the caller's caches alive
+    # (plan.py drops its keys when they are freed).
+    stores: Stores
     host_values: bool  # slot and position values are checked on every call (no device sync)
     latent: bool = False  # rope_latent_fused: k_pe may be [T, rope_dim]
-    # Per-token-head scales (vLLM's int8/fp8_per_token_head): float32 tensors shaped like the pools
-    # without their last dim, written at the same slots; ``fp8`` is then the pools' format, int8 included.
-    # Held weakly (weakref.ref each, or None): a remembered runner must not keep the caller's caches alive
-    # (plan.py drops its keys when they are freed).
-    scale_refs: tuple = (None, None)
-
-    @property
-    def per_token_head(self) -> bool:
-        return self.scale_refs[0] is not None
-
-    @property
-    def k_scale_cache(self):
-        """The caller's k scale cache (None without one, or once the caller has dropped it)."""
-        return None if self.scale_refs[0] is None else self.scale_refs[0]()
-
-    @property
-    def v_scale_cache(self):
-        return None if self.scale_refs[1] is None else self.scale_refs[1]()
+    autograd: bool = False  # q, k or v require grad (torch)
+    traced: bool = False  # under torch.compile: fake tensors
 
     @property
     def pool_size(self) -> int:
         return self.pool.pool_size
+
+
+def _store(element, scale=None, cache=None) -> Store:
+    """A destination's Store: plain without a quantized element, else scaled (a scale) or per token and head
+    (a scale cache, held weakly)."""
+    if element is None:
+        return PLAIN
+    if cache is not None:
+        return Store("per_token_head", element, QMAX[element], scale_ref=weakref.ref(cache))
+    return Store("scaled", element, QMAX[element], scale)
 
 
 @lru_cache(maxsize=64)
@@ -127,17 +120,18 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
                         head_dim, fw)
     caches = (k_scale_cache, v_scale_cache)
     pth = any(c is not None for c in caches)
-    if pth and fw == "mlx":
-        raise TypeError(f"k_scale_cache/v_scale_cache are for torch tensors; got them with {FRAMEWORK_TYPES[fw]} "
-                        "inputs. Fix: drop them (MLX calls are functional and return only the pools; "
-                        "per-token-head caches are a torch feature, docs/mlx.md).")
-    fp8 = _check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw, pth if fw != "mlx" else None)
+    if pth:
+        backends.refuse(fw, "pool.per_token_head")
+    fp8 = _check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw,
+                             pth if backends.takes(fw, "pool.per_token_head") else None)
     if pth:
         caches = _check_scale_caches(("k_scale_cache", "v_scale_cache"), caches, fp8, (k_pool, v_pool), q,
                                      (k_scale, v_scale), fw)
+        pools = (_store(fp8, cache=caches[0]), _store(fp8, cache=caches[1]))
     else:
         k_scale, v_scale = _check_pool_scales(("k_scale", "v_scale"), (k_scale, v_scale), fp8, k_pool, q,
                                               num_kv_heads)
+        pools = (_store(fp8, k_scale), _store(fp8, v_scale))
     norm = _check_norm(qk_norm, q, head_dim)
     if fw == "torch":
         # positions/slots too: the kernel reads them as flat int arrays. Pools may have a strided head dim
@@ -145,20 +139,19 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
         # Triton backend refuses one (triton_op.Prepared.bind).
         _check_strides(q=q, k=k, v=v, positions=positions, slots=slots)
         _check_distinct_pools(("k_pool", "v_pool"), k_pool, v_pool)
-        q_fp8, q_scale = _check_out("q_out", q_out, q, "q_scale", q_scale)
-        k_fp8, k_out_scale = _check_out("k_out", k_out, k, "k_out_scale", k_out_scale)
-    else:
+        outs = (_store(*_check_out("q_out", q_out, q, "q_scale", q_scale)),
+                _store(*_check_out("k_out", k_out, k, "k_out_scale", k_out_scale)))
+    else:  # outputs are written in place: the backends of other frameworks may not take them (their rows say)
         if q_out is not None or k_out is not None:
-            raise TypeError(f"q_out/k_out are for torch tensors; got them with {FRAMEWORK_TYPES[fw]} inputs. "
-                            "Fix: drop q_out/k_out (MLX and NumPy calls are functional).")
+            backends.refuse(fw, "out", names="q_out/k_out")
         for name, s in (("q_scale", q_scale), ("k_out_scale", k_out_scale)):
             if s is not None:
-                raise RopePoolError(f"{name} is for a float8 {name[0]}_out tensor; got {name} without one. "
-                                    f"Fix: drop {name} (fp8 outputs are torch tensors passed as {name[0]}_out).")
-        q_fp8 = k_fp8 = None
-    call = Call(fw, dt, num_qo_heads, num_kv_heads, head_dim, head_dim, pool, dtype_name(k_pool), fp8, rotation,
-                rows, norm, k_scale, v_scale, q_fp8, q_scale, k_fp8, k_out_scale, _host_values(fw, positions),
-                scale_refs=tuple(None if c is None else weakref.ref(c) for c in caches))
+                backends.refuse(fw, f"{name[0]}_out.scaled", name=name)
+        outs = (PLAIN, PLAIN)
+    call = Call(framework=fw, dtype=dt, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                v_head_dim=head_dim, pool=pool, pool_dtype=dtype_name(k_pool), rotation=rotation, position_rows=rows,
+                norm=norm, stores=Stores(*pools, *outs), host_values=_host_values(fw, positions),
+                autograd=_autograd(fw, q, k, v), traced=tracing(fw))
     if call.host_values:
         check_host_values(call, positions, slots)
     return call
@@ -204,10 +197,12 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
         _check_distinct_pools(("ckv_cache", "kpe_cache"), ckv_cache, kpe_cache)
         _check_out("q_pe_out", q_pe_out, q_pe, None, None)
     elif q_pe_out is not None:
-        raise TypeError(f"q_out/k_out are for torch tensors; got them with {FRAMEWORK_TYPES[fw]} inputs. "
-                        "Fix: drop q_pe_out (MLX and NumPy calls are functional).")
-    call = Call(fw, dt, heads, 1, rope_dim, kv_lora_rank, pool, dtype_name(kpe_cache), fp8, rotation, rows, None,
-                scale, scale, None, None, None, None, _host_values(fw, positions), latent=True)
+        backends.refuse(fw, "out", names="q_pe_out")
+    call = Call(framework=fw, dtype=dt, num_qo_heads=heads, num_kv_heads=1, head_dim=rope_dim,
+                v_head_dim=kv_lora_rank, pool=pool, pool_dtype=dtype_name(kpe_cache), rotation=rotation,
+                position_rows=rows, norm=None, stores=Stores(_store(fp8, scale), _store(fp8, scale)),
+                host_values=_host_values(fw, positions), latent=True, autograd=_autograd(fw, q_pe, k_pe, kv_c),
+                traced=tracing(fw))
     if call.host_values:
         check_host_values(call, positions, slots)
     return call
@@ -344,6 +339,10 @@ def _check_out(name, out, like, scale_name, scale):
 
 
 # --- values ------------------------------------------------------------------------------------
+
+def _autograd(fw, *xs) -> bool:
+    return fw == "torch" and any(x.requires_grad for x in xs)
+
 
 def _host_values(fw, positions) -> bool:
     """Whether slot/position values can be read without a device sync."""

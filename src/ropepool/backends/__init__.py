@@ -1,9 +1,18 @@
-"""Which implementation takes a call: a small registry of data.
+"""Which implementation takes a call: a registry of rows, each declaring what it takes as data.
 
-Each backend names its framework and can say why it cannot take a call
-(``why_not``). ``pick`` chooses automatically (the fastest that can run) or
-honours an explicit ``backend=`` and raises with the reason when it cannot.
+A row names the backend (``backend=`` picks rows by it; the CPU lane and the
+general torch code are both ``"torch"``), its framework, the module that
+prepares a plan (``prepare(plan, tuning, fallback)`` -> an object whose
+``bind(*arrays)`` gives the runner), the features it supports
+(``plan.Plan.features``), the device types it is picked for automatically,
+and why it cannot run here (``why_not(q)``: not installed, no device). A
+plan goes to the first row, in ``BACKENDS``' order, whose framework and
+device fit and with ``plan.features <= row.supports``; a row's ``fallback``
+(another row's module) takes what its runner declines at run time.
 ``ropepool env`` prints the reasons.
+
+Features no row of a framework takes are refused while the call is checked,
+with the row's own message (``refuse``), before anything is written.
 """
 from __future__ import annotations
 
@@ -13,22 +22,53 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from ..dtypes import FRAMEWORK_TYPES
 from ..errors import RopePoolError
+
+# Every feature a plan may use (plan.build): the rotation's, the stores' (stores.feature) and the torch call's.
+ROTATION = frozenset({"norm", "mrope", "table", "longrope", "latent"})
+STORES = frozenset({"pool.scaled", "pool.per_token_head", "q_out.scaled", "k_out.scaled"})
+TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
+ALL = ROTATION | STORES | TORCH
+
+
+def _functional(framework: str, feature: str, names: str = "", name: str = "") -> None:
+    """The refusals of a functional framework (MLX; NumPy's oracle alike): what is written in place."""
+    given = FRAMEWORK_TYPES[framework]
+    if feature == "pool.per_token_head":
+        raise TypeError(f"k_scale_cache/v_scale_cache are for torch tensors; got them with {given} inputs. Fix: drop "
+                        "them (MLX calls are functional and return only the pools; per-token-head caches are a torch "
+                        "feature, docs/mlx.md).")
+    if feature == "out":
+        raise TypeError(f"q_out/k_out are for torch tensors; got them with {given} inputs. Fix: drop {names} (MLX and "
+                        "NumPy calls are functional).")
+    if feature in ("q_out.scaled", "k_out.scaled"):
+        raise RopePoolError(f"{name} is for a float8 {name[0]}_out tensor; got {name} without one. Fix: drop {name} "
+                            f"(fp8 outputs are torch tensors passed as {name[0]}_out).")
 
 
 @dataclass(frozen=True)
 class Backend:
-    name: str
+    name: str  # what backend= names
     framework: str
-    module: str  # holds prepare(call, tuning) -> an object whose bind(*arrays) gives the runner
-    why_not: Callable[[object], str | None]  # given q; None when it can run
+    module: str
+    supports: frozenset
+    devices: tuple | None = None  # device types it is picked for automatically (None: any)
+    why_not: Callable[[object], str | None] = lambda q: None  # given q (None: in this process); None: can run
+    fallback: str | None = None  # module of the row that runs what this row's runner declines
+    refuse: Callable | None = None  # (framework, feature, **names) raising a feature's message
 
     def load(self):
         """The backend's module, imported on first use."""
-        mod = _LOADED.get(self.module)
-        if mod is None:
-            mod = _LOADED[self.module] = importlib.import_module(self.module, __name__)
-        return mod
+        return load(self.module)
+
+
+def load(module: str):
+    """A backend module (``.torch_eager``), imported on first use."""
+    mod = _LOADED.get(module)
+    if mod is None:
+        mod = _LOADED[module] = importlib.import_module(module, __name__)
+    return mod
 
 
 _LOADED: dict = {}
@@ -38,24 +78,30 @@ _INSTALLED = {name: importlib.util.find_spec(name) is not None for name in ("tri
 def load_torch_backends() -> None:
     """Import the torch backends now, outside any traced code: torch.compile cannot trace an import,
     so a process whose first call is compiled needs them imported before (see ropepool/__init__.py)."""
-    import torch
-
-    # Triton only where it can run (CUDA, or its CPU interpreter): importing it costs ~0.8 s, most of a
-    # CPU-only process's first call.
-    triton = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     for b in BACKENDS:
-        if b.framework == "torch" and b.why_not(None) is None and (triton or b.name != "triton"):
+        if b.framework == "torch" and b.why_not(None) is None:
             b.load()
 
 
 def _triton_why_not(q) -> str | None:
     if not _INSTALLED["triton"]:
         return "triton is not installed (pip install 'ropepool[cuda]')"
-    if q is None or q.device.type == "cuda":
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if q is None:
+        # Imported only where it can run (CUDA, or its CPU interpreter): importing triton costs ~0.8 s, most of
+        # a CPU-only process's first call.
+        import torch
+
+        return None if torch.cuda.is_available() or interpret else "no CUDA device here"
+    if q.device.type == "cuda":
         return None
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if q.device.type == "cpu" and interpret:
         return None
     return f"tensors are on {q.device}; the Triton kernel needs CUDA (or CPU with TRITON_INTERPRET=1)"
+
+
+def _cpu_why_not(q) -> str | None:
+    return None if q is None or q.device.type == "cpu" else f"tensors are on {q.device}, not the CPU"
 
 
 def _mlx_why_not(q) -> str | None:
@@ -64,28 +110,55 @@ def _mlx_why_not(q) -> str | None:
 
 # In order of preference within a framework.
 BACKENDS = (
-    Backend("triton", "torch", ".triton_op", _triton_why_not),
-    Backend("torch", "torch", ".torch_eager", lambda q: None),
-    Backend("mlx", "mlx", ".mlx", _mlx_why_not),
+    Backend("triton", "torch", ".triton_op", ALL, ("cuda",), _triton_why_not),
+    # torch on CPU tensors in fewer passes; per-token-head caches, fp8 outputs, MRoPE, autograd and tracing
+    # stay on the general torch code (its fallback too, for calls it declines at run time).
+    Backend("torch", "torch", ".torch_cpu", ALL - {"mrope", "pool.per_token_head", "q_out.scaled", "k_out.scaled"}
+            - TORCH, ("cpu",), _cpu_why_not, fallback=".torch_eager"),
+    Backend("torch", "torch", ".torch_eager", ALL),
+    Backend("mlx", "mlx", ".mlx", ALL - {"pool.per_token_head", "q_out.scaled", "k_out.scaled"} - TORCH,
+            why_not=_mlx_why_not, refuse=_functional),
 )
-_BY_NAME = {b.name: b for b in BACKENDS}
+NAMES = sorted({b.name for b in BACKENDS})
 
 
-def pick(framework: str, q, name: str | None = None) -> Backend:
-    if name is not None:
-        b = _BY_NAME.get(name)
-        if b is None:
-            raise RopePoolError(f"backend must be one of {sorted(_BY_NAME)} or None; got {name!r}. "
-                                "Fix: leave backend=None to choose automatically.")
-        if b.framework != framework:
-            raise RopePoolError(f"backend {name!r} takes {b.framework} arrays; got {framework} arrays. "
-                                "Fix: leave backend=None, or convert the arrays.")
+def takes(framework: str, feature: str) -> bool:
+    """Whether a row of ``framework`` takes ``feature`` (a framework without rows, NumPy's oracle: yes)."""
+    rows = [b for b in BACKENDS if b.framework == framework]
+    return not rows or any(feature in b.supports for b in rows)
+
+
+def refuse(framework: str, feature: str, **names) -> None:
+    """Raise the rows' message when no row of ``framework`` takes ``feature`` (``names``: the arguments'
+    names for the message). NumPy's oracle is functional: outputs written in place are refused as MLX's are."""
+    if not takes(framework, feature) or framework == "numpy" and feature in ("out", "q_out.scaled", "k_out.scaled"):
+        for b in BACKENDS:
+            if b.refuse is not None and (b.framework == framework or framework == "numpy"):
+                b.refuse(framework, feature, **names)
+
+
+def pick(framework: str, q, name: str | None = None, features: frozenset = frozenset()) -> Backend:
+    """The row that runs a plan of ``features`` on arrays like ``q``: ``name``'s, or the first that fits."""
+    if name is not None and name not in NAMES:
+        raise RopePoolError(f"backend must be one of {NAMES} or None; got {name!r}. "
+                            "Fix: leave backend=None to choose automatically.")
+    rows = [b for b in BACKENDS if (name is None or b.name == name)]
+    if name is not None and all(b.framework != framework for b in rows):
+        raise RopePoolError(f"backend {name!r} takes {rows[0].framework} arrays; got {framework} arrays. "
+                            "Fix: leave backend=None, or convert the arrays.")
+    reasons = []
+    for b in rows:
+        if b.framework != framework or not features <= b.supports:
+            continue
+        # Automatically, only on the devices the row is for (the Triton interpreter is a correctness tool).
+        if name is None and b.devices is not None and getattr(q, "device", None) is not None and \
+                q.device.type not in b.devices:
+            continue
         reason = b.why_not(q)
-        if reason:
-            raise RopePoolError(f"backend {name!r} cannot run this call: {reason}. Fix: leave backend=None.")
-        return b
-    for b in BACKENDS:
-        # The interpreter is a correctness tool, never an automatic choice.
-        if b.framework == framework and b.why_not(q) is None and not (b.name == "triton" and q.device.type != "cuda"):
+        if reason is None:
             return b
+        reasons.append(reason)
+    if name is not None:
+        reason = reasons[0] if reasons else f"it does not take {sorted(features - rows[-1].supports)}"
+        raise RopePoolError(f"backend {name!r} cannot run this call: {reason}. Fix: leave backend=None.")
     raise RopePoolError(f"no backend can run {framework} arrays here. Fix: see `ropepool env`.")

@@ -32,7 +32,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..dtypes import FP8_MAX
 from ..layout import page_and_row, row_ids
 from . import arraymath, paths
 
@@ -136,31 +135,25 @@ def write(pool: mx.array, geom, ids: mx.array, keep: mx.array, rows: mx.array) -
     return mx.view(bits, pool.dtype).reshape(pool.shape)
 
 
-def _to_pool(rows, call, scale, pool):
-    if call.fp8:  # MLX stores e4m3 as uint8 (mx.to_fp8)
-        return mx.to_fp8(arraymath.quantize(rows.astype(mx.float32), scale, FP8_MAX[call.fp8], MlxOps))
+def _to_pool(rows, store, scale, pool):
+    if store.format == "scaled":  # MLX stores e4m3 as uint8 (mx.to_fp8)
+        return mx.to_fp8(arraymath.quantize(rows.astype(mx.float32), scale, store.qmax, MlxOps))
     return rows.astype(pool.dtype)
 
 
 # --- the op ------------------------------------------------------------------------------------
 
-def _scale_key(scale):
-    return ("array",) if isinstance(scale, mx.array) else scale
+def extras(values):
+    """``values`` (a ``plan.Extras``) as MLX arrays: NumPy frequencies made once; floats and arrays as they
+    are (a float scale is a constant of the traced graph, keyed by ``plan.Plan.key``)."""
+    return tuple(device_array(x) if isinstance(x, np.ndarray) else x for x in values)
 
 
-def _static_key(call) -> tuple:
-    """Everything the graph reads of a Call besides its arrays: calls that agree here share a graph."""
+def _graph(plan):
+    """The op as a function of arrays only (the plan's extras come last, in ``plan.Extras``' order), so
+    mx.compile can trace it."""
+    call, st, ops = plan.call, plan.stores, MlxOps
     rot, norm = call.rotation, call.norm
-    rotation = (rot.rotary_dim, rot.gptj, rot.attention_scaling, rot.long_from, rot.table is None,
-                tuple(rot.rows.tolist()))
-    norm_key = None if norm is None else (norm.eps, norm.weight_offset, norm.after_rope, norm.q_weight is None,
-                                          norm.k_weight is None)
-    return (call.pool, call.fp8, rotation, norm_key, _scale_key(call.k_scale), _scale_key(call.v_scale))
-
-
-def _graph(call):
-    """The op as a function of arrays only (the Call's own arrays come last), so mx.compile can trace it."""
-    rot, norm, ops = call.rotation, call.norm, MlxOps
 
     def graph(q, k, v, positions, slots, k_pool, v_pool, freqs, table, qw, kw, k_scale, v_scale):
         paths.took("mlx.traced")  # Python runs here at each eager call, but once per trace when compiled
@@ -170,36 +163,35 @@ def _graph(call):
         q_rot = arraymath.rope_and_norm(q, cos, sin, rot, norm, qw, ops).astype(q.dtype)
         k_rot = arraymath.rope_and_norm(k3, cos, sin, rot, norm, kw, ops).astype(k.dtype)
         ids, keep = targets(call.pool, slots, ok)
-        k_pool = write(k_pool, call.pool, ids, keep, _to_pool(k_rot, call, k_scale, k_pool))
-        v_pool = write(v_pool, call.pool, ids, keep, _to_pool(v3, call, v_scale, v_pool))
+        k_pool = write(k_pool, call.pool, ids, keep, _to_pool(k_rot, st.k_pool, k_scale, k_pool))
+        v_pool = write(v_pool, call.pool, ids, keep, _to_pool(v3, st.v_pool, v_scale, v_pool))
         return q_rot, k_rot.reshape(k.shape), k_pool, v_pool
 
     return graph
 
 
-# static key -> (eager graph, compiled graph); at most _MAX_GRAPHS, each holding its first Call's small arrays
+# plan.Plan.key -> (eager graph, compiled graph); at most _MAX_GRAPHS, each holding its first plan's small arrays
 # (norm weights, scales: a few KB) but no engine table (read through Rotation.table_ref).
 _GRAPHS: dict = {}
 _MAX_GRAPHS = 256
 
 
 class Prepared:
-    def __init__(self, call):
-        self.call = call
-        rot = call.rotation
-        key = _static_key(call)
-        graphs = _GRAPHS.get(key)
+    def __init__(self, plan):
+        self.call = call = plan.call
+        graphs = _GRAPHS.get(plan.key)
         if graphs is None:
             if len(_GRAPHS) >= _MAX_GRAPHS:
                 _GRAPHS.clear()
-            graph = _graph(call)
-            graphs = _GRAPHS[key] = (graph, mx.compile(graph))
+            graph = _graph(plan)
+            graphs = _GRAPHS[plan.key] = (graph, mx.compile(graph))
         self.eager, self.compiled = graphs
-        qw, kw = (None, None) if call.norm is None else call.norm.weights
-        freqs = device_array(rot.freqs) if rot.table is None and rot.rotary_dim else None
         # An engine's table is read per call through its weak reference (spec.Rotation): a graph or a runner
         # the layout cache keeps must not keep the caller's table alive.
-        self.arrays, self.table_ref = (freqs, None, qw, kw, call.k_scale, call.v_scale), rot.table_ref
+        # The extras the graph reads: plan.Extras' order up to v_scale (the row takes no fp8 outputs and no
+        # scale caches, the rest).
+        reads = plan.fixed._fields.index("v_scale") + 1
+        self.arrays, self.table_ref = extras(plan.fixed)[:reads], call.rotation.table_ref
 
     def bind(self, *arrays):
         return self.run
@@ -234,5 +226,5 @@ class Prepared:
         return mx.concatenate(q_rot), mx.concatenate(k_rot), k_pool, v_pool
 
 
-def prepare(call, tuning):
-    return Prepared(call)
+def prepare(plan, tuning, fallback=None):
+    return Prepared(plan)

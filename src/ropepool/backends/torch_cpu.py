@@ -17,22 +17,23 @@ one compiled call does all of a decode call once its graph is there. Per the con
 torch's accurate float32 functions and the arithmetic is float32 throughout,
 with the same roundings as ``torch_eager`` (its results bit for bit).
 
-It takes the calls ``covers`` accepts (plain, partial, GPT-J, scaled and
-longrope rotations, an engine's table, every pool layout, MLA's latent, the
-QK norm (normalised by torch_eager's own operations, then rotated here), fp8
-pools with per-tensor or per-head scales (quantized by torch_eager's own
-operations)); the rest (per-token-head caches, fp8 q/k outputs, MRoPE,
-autograd, torch.compile tracing) stay on ``torch_eager``. Positions and slots
+It takes the plans its registry row supports (backends/__init__.py: plain,
+partial, GPT-J, scaled and longrope rotations, an engine's table, every pool
+layout, MLA's latent, the QK norm (normalised by arraymath's operations, then
+rotated here), fp8 pools with per-tensor or per-head scales (quantized by
+arraymath's operations)); the rest (per-token-head caches, fp8 q/k outputs,
+MRoPE, autograd, torch.compile tracing) go to ``torch_eager``, the row's
+fallback, which also runs what a runner declines at run time. Positions and slots
 a serving step registers (``values.STEP``) get their cos/sin once per step.
 """
 from __future__ import annotations
 
 import torch
 
-from ..dtypes import FP8_MAX
 from ..layout import page_and_row, paged_view
 from ..values import STEP
 from . import arraymath, paths, torch_cpu_compiled
+from .torch_arrays import TorchOps, extras
 
 # A block of tokens: about 128K floats (512 KB); of 16K-256K, measured fastest on a
 # 2 MB-per-core L2 (docs/benchmarks.md, CPU section).
@@ -48,23 +49,10 @@ _TABLE_BYTES = 256 << 20
 _table_bytes = [0]
 
 
-def covers(call, arrays) -> bool:
-    """Whether this path runs a call with these arrays (else torch_eager's general code does)."""
-    q = arrays[0]
-    return (q.device.type == "cpu" and not (call.per_token_head or call.q_fp8 or call.k_fp8)
-            and call.rotation.mrope_section is None and not torch.compiler.is_compiling()
-            and not any(x is not None and x.requires_grad for x in arrays[:3]))
-
-
 def strided(arrays) -> bool:
     """Whether a pool's head dim is strided (vLLM's CPU key cache, seen transposed): ``write`` stores
     through the view; one_token's lane and the compiled step's pool writes are not tested with it."""
     return any(p.stride(-1) != 1 and p.shape[-1] != 1 for p in arrays[5:7])
-
-
-def _scale(scale):
-    """A pool's scale as torch_eager divides by it (as_tensor_scale): a float as a float32 tensor."""
-    return scale if isinstance(scale, torch.Tensor) else torch.full((), scale, dtype=torch.float32)
 
 
 def _tables_of(freqs) -> dict:
@@ -84,10 +72,24 @@ def _drop_tables() -> None:
     _table_bytes[0] = 0
 
 
-class Fast:
-    """The runner for one checked Call (bound once per layout, like torch_eager.Prepared)."""
+class Prepared:
+    def __init__(self, plan, fallback):
+        self.plan, self.fallback = plan, fallback
 
-    def __init__(self, call, freqs, general, strided=False):
+    def bind(self, *arrays):
+        ex = extras(self.plan.fixed, arrays[0].device)
+        return Fast(self.plan, ex, self.fallback.bind(*arrays), strided(arrays)).run
+
+
+def prepare(plan, tuning, fallback):
+    return Prepared(plan, fallback)
+
+
+class Fast:
+    """The runner for one plan and layout (``general``: the fallback's runner, for what this one declines)."""
+
+    def __init__(self, plan, ex, general, strided=False):
+        call, freqs = plan.call, ex.freqs
         self.call, self.rot, self.general, self.strided = call, call.rotation, general, strided
         r, gptj = self.rot.rotary_dim, self.rot.gptj
         # x's rotated features seen as [..., 2, r/2] (NeoX: the pair's two halves) or [..., r/2, 2] (GPT-J);
@@ -105,18 +107,18 @@ class Fast:
         # A flat pool is [rows, heads, dim] already, slot = row: no view per call.
         self.flat = geom.kv_layout is None and geom.layer is None and geom.headed
         self.compiled = {}  # torch_cpu_compiled's functions for this layout
-        from .torch_eager import TorchOps  # (torch_eager imports this module)
-
         self.ops = TorchOps  # the QK norm's operations
         self._gain = (None, None)  # gain's key and value
-        # fp8 pools: k's and v's scales as torch_eager divides by them
-        self.scales = [_scale(s) for s in (call.k_scale, call.v_scale)] if call.fp8 else (None, None)
+        # fp8 pools (the row takes only "scaled" ones): their bound, and k's and v's scales as float32 tensors
+        self.quantized, self.qmax = plan.stores.k_pool.quantized, plan.stores.k_pool.qmax
+        self.scales = (ex.k_scale, ex.v_scale) if self.quantized else (None, None)
         # one_token's lane: pools of one layer with a head dim, of q's dtype or fp8, no norm, cos/sin of a table
         # of ours (its torch ops: flat pools only)
         self.pool_size = call.pool_size
         self.lane = geom.layer is None and geom.headed and call.norm is None and not strided and \
-            (call.fp8 or call.pool_dtype == call.dtype) and self.tables is not None and self.rot.long_from is None
-        self.one_graph = torch_cpu_compiled.one_token_graph(self.pairs, self.pair_dim, FP8_MAX.get(call.fp8),
+            (self.quantized or call.pool_dtype == call.dtype) and self.tables is not None and self.rot.long_from is None
+        self.one_graph = torch_cpu_compiled.one_token_graph(self.pairs, self.pair_dim,
+                                                            self.qmax if self.quantized else None,
                                                             geom.kv_layout, geom.page_size)
 
     @property
@@ -249,9 +251,9 @@ class Fast:
         bytes copied (index_copy_ has no fp8 kernels)."""
         if keep is not None:
             rows, slots = rows[keep], slots[keep]
-        if self.call.fp8:
+        if self.quantized:
             scale = self.scales[scale]
-            rows = arraymath.quantize(rows.float(), scale, FP8_MAX[self.call.fp8], self.ops).to(pool.dtype)
+            rows = arraymath.quantize(rows.float(), scale, self.qmax, self.ops).to(pool.dtype)
             pool, rows = pool.view(torch.uint8), rows.view(torch.uint8)
         elif rows.dtype != pool.dtype:
             rows = rows.to(pool.dtype)
@@ -306,7 +308,7 @@ class Fast:
                 # k_rot is ky, every token written, and few tokens: from 256 inductor's scatter is slower
                 # than index_copy_ (measured), below the two ops cost more than the rows.
                 whole = lo >= 0 and self.rot.rotary_dim == k3.shape[2] and q.shape[0] <= _TABLE_TOKENS and \
-                    not self.call.fp8 and not self.strided
+                    not self.quantized and not self.strided
                 written = self.compiled_step(qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole)
         if not written:
             slots = slots.long()  # index_copy_'s index type
@@ -349,8 +351,8 @@ class Fast:
         q_rot, k_rot = both.as_strided((1, Hq, D), (row, D, 1)), both.as_strided((1, Hkv, D), (row, D, 1), Hq * D)
         if s >= 0:  # a negative slot skips the write
             for i, (pool, rows) in enumerate(((k_pool, k_rot), (v_pool, v))):
-                if self.call.fp8:  # quantized as ``write`` does
-                    rows = arraymath.quantize(rows.float(), self.scales[i], FP8_MAX[self.call.fp8], self.ops)
+                if self.quantized:  # quantized as ``write`` does
+                    rows = arraymath.quantize(rows.float(), self.scales[i], self.qmax, self.ops)
                 pool[s:s + 1].copy_(rows)
         paths.took("torch_cpu.write", 2)  # as ``write`` counts: each pool, a token written or skipped
         paths.took("torch_cpu.one_token")

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 # The interpreter (CI's CPU run) has no libdevice; its tl.cos is NumPy's, accurate.
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _cos_sin(ang):
     x = ang.to(tl.float64)
     n = tl.floor(x * 0.6366197723675814 + 0.5)  # the nearest multiple of pi/2
     r = ((x - n * 1.5707963705062866) - n * -4.371138828673793e-08 - n * -1.7151245100058819e-15).to(tl.float32)
-    if _INTERPRET:  # no libdevice; NumPy's float32 cos/sin are accurate
+    if INTERPRET:  # no libdevice; NumPy's float32 cos/sin are accurate
         c = tl.cos(r)
         s = tl.sin(r)
     else:

@@ -1,6 +1,6 @@
 """Launcher of the fused Triton kernel, and its torch.library custom op.
 
-``prepare`` turns a Call into a ``Launcher``: the kernel's constexprs that
+``prepare`` turns a plan into a ``Launcher``: the kernel's constexprs that
 do not depend on strides (``_features``, for decode-sized and larger
 calls), its scalar arguments and the tensors it reads besides the arrays.
 ``Launcher.bind`` adds the strides of one tensor layout and returns a
@@ -25,11 +25,10 @@ from typing import List, Optional
 import torch
 import triton
 
-from ..dtypes import FP8_MAX, QMAX
 from ..errors import RopePoolError
 from ..layout import paged_view, pool_geometry
-from .torch_eager import rotation_freqs
-from .triton_kernel import _INTERPRET, rope_pool_kernel
+from .torch_arrays import extras
+from .triton_kernel import INTERPRET, rope_pool_kernel
 
 _CONSTEXPRS = [n for n, p in inspect.signature(rope_pool_kernel.fn).parameters.items()
                if p.annotation in ("tl.constexpr", triton.language.constexpr)]
@@ -90,12 +89,13 @@ def default_warps(call, split: int) -> int:
     return 1 if call.latent and _tile(call.num_qo_heads // split) * call.head_dim <= 1024 else 2
 
 
-def _features(call, split: int) -> dict:
+def _features(plan, split: int) -> dict:
     """The kernel's constexprs that do not depend on strides (ints, and the floats of _FLOAT_FEATURES).
 
     Attention scaling, eps and the weight offset are constants of a model, so
     they are compiled in; scales are read through pointers, since engines
     keep one per layer (or update them)."""
+    call, st, features = plan.call, plan.stores, plan.features
     rot, norm = call.rotation, call.norm
     hq, hkv = call.num_qo_heads // split, -(-call.num_kv_heads // split)
     section = rot.mrope_section or (0, 0, 0)
@@ -103,20 +103,19 @@ def _features(call, split: int) -> dict:
         PAGE_SIZE=call.pool.page_size, NUM_KV=call.num_kv_heads, HQ=hq, HKV=hkv, D=call.head_dim,
         DV=call.v_head_dim, ROT=rot.rotary_dim, GPTJ=rot.gptj, BHQ=_tile(hq), BHKV=_tile(hkv),
         BLOCK_HALF=_tile(rot.rotary_dim // 2), BLOCK_PASS=_tile(call.head_dim - rot.rotary_dim),
-        BLOCK_DV=_tile(call.v_head_dim), LONGROPE=rot.long_from is not None and rot.table is None,
-        TABLE=rot.table is not None, MAX_POSITION=0 if rot.table is None else rot.table.shape[0],
-        MROPE=call.position_rows == 3, S_T=section[0], S_H=section[1],
+        BLOCK_DV=_tile(call.v_head_dim), LONGROPE="longrope" in features,
+        TABLE="table" in features, MAX_POSITION=0 if rot.table is None else rot.table.shape[0],
+        MROPE="mrope" in features, S_T=section[0], S_H=section[1],
         S_W=section[2], MROPE_INTERLEAVED=rot.mrope_interleaved,
         NORM=0 if norm is None else 2 if norm.after_rope else 1,
         Q_W=norm is not None and norm.q_weight is not None, K_W=norm is not None and norm.k_weight is not None,
-        FP8=call.fp8 is not None and not call.per_token_head, K_PER_HEAD=_numel(call.k_scale) > 1,
-        V_PER_HEAD=_numel(call.v_scale) > 1, Q_FP8=call.q_fp8 is not None, K_FP8=call.k_fp8 is not None,
-        PTH=call.per_token_head,
+        FP8="pool.scaled" in features, K_PER_HEAD=_numel(st.k_pool.scale) > 1,
+        V_PER_HEAD=_numel(st.v_pool.scale) > 1, Q_FP8="q_out.scaled" in features, K_FP8="k_out.scaled" in features,
+        PTH="pool.per_token_head" in features,
     )
     ints = {n: int(c[n]) for n in _INT_FEATURES}  # bools as ints: one spelling, one compiled kernel
     eps, offset = (1.0, 0.0) if norm is None else (norm.eps, norm.weight_offset)
-    floats = (QMAX.get(call.fp8, 0.0), FP8_MAX.get(call.q_fp8, 0.0), FP8_MAX.get(call.k_fp8, 0.0),
-              rot.attention_scaling, eps, offset)
+    floats = (st.k_pool.qmax, st.q_out.qmax, st.k_out.qmax, rot.attention_scaling, eps, offset)
     return {**ints, **dict(zip(_FLOAT_FEATURES, floats))}
 
 
@@ -138,11 +137,12 @@ class Launcher:
         self._bound: dict = {}
 
     @classmethod
-    def for_call(cls, call, tuning) -> "Launcher":
+    def for_plan(cls, plan, tuning) -> "Launcher":
+        call = plan.call
         splits = (tuning.head_split or default_split(call), large_split(call))
         geom = call.pool
         where = (-1 if geom.layer is None else geom.layer, geom.kv_layout or "", int(geom.headed))
-        return cls(*(_features(call, s) for s in splits), tuning.small_tokens, splits,
+        return cls(*(_features(plan, s) for s in splits), tuning.small_tokens, splits,
                    tuning.num_warps or default_warps(call, splits[1]), where)
 
     def args(self) -> tuple:
@@ -293,7 +293,7 @@ class _Launch:
         kernel = rope_pool_kernel[(T, split, 1)](
             q, k, v, positions, slots, *pools, q_out, k_out, extras[0], extras[1], use_long, *extras[2:],
             *scalars, **self.constexprs[variant], num_warps=ln.warps)
-        if _INTERPRET or not _fast_launch_ok(kernel):
+        if INTERPRET or not _fast_launch_ok(kernel):
             return
         key = (tuple(self.constexprs[variant].values()), ln.warps, align, self.pool_size >= 2**31,
                tuple(x is None for x in more), q.dtype, k.dtype, k_pool.dtype, q_out.dtype, k_out.dtype,
@@ -347,48 +347,36 @@ def _fast_launch_ok(kernel) -> bool:
         hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
 
 
-def _scale_tensor(scale, device):
-    """A scale as the kernel reads it: a float32 tensor (a float becomes one, made once per plan)."""
-    if scale is None or isinstance(scale, torch.Tensor):
-        return scale
-    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
-
-
-def _scale_views(call) -> tuple:
+def _scale_views(plan) -> tuple:
     """The per-token-head scale caches as the kernel reads them (4-D NHD views of the layer written; None
-    where absent), made from the Call's weak references on each use: nothing kept holds them."""
-    return tuple(None if c is None else paged_view(c[..., None], call.pool)
-                 for c in (call.k_scale_cache, call.v_scale_cache))
+    where absent), made from the stores' weak references on each use: nothing kept holds them."""
+    return tuple(None if c is None else paged_view(c[..., None], plan.call.pool)
+                 for c in (plan.stores.k_pool.scale_cache, plan.stores.v_pool.scale_cache))
 
 
 class Prepared:
-    """A Call's Launcher and the tensors its kernel reads besides the arrays."""
+    """A plan's Launcher and the tensors its kernel reads besides the arrays."""
 
-    def __init__(self, call, tuning):
-        self.call, self.launcher = call, Launcher.for_call(call, tuning)
+    def __init__(self, plan, tuning):
+        self.plan, self.call, self.launcher = plan, plan.call, Launcher.for_plan(plan, tuning)
         self._extras: dict = {}
 
     def extras(self, device) -> tuple:
-        """freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale, and the per-token-head
-        scale caches as 4-D NHD views of the layer written (None where absent)."""
+        """The plan's extras (``plan.Extras``' order) as the kernel reads them: tensors on ``device``, the
+        per-token-head scale caches as 4-D NHD views of the layer written (None where absent)."""
         got = self._extras.get(device)
         if got is None:
-            call, rot = self.call, self.call.rotation
-            qw, kw = (None, None) if call.norm is None else call.norm.weights
-            freqs = rotation_freqs(rot, device)
-            scales = (call.k_scale, call.v_scale, call.q_scale, call.k_out_scale)
-            got = self._extras[device] = (freqs, None, qw, kw, *(_scale_tensor(s, device) for s in scales))
+            got = self._extras[device] = extras(self.plan.fixed, device)
         table = self.call.rotation.table  # held weakly (spec.Rotation), as the scale caches: never kept here
-        return (got[0], table, *got[2:], *_scale_views(self.call))
+        return (got[0], table, *got[2:8], *_scale_views(self.plan))
 
     def fixed_pointers(self) -> bool:
         """Whether the kernel's extra tensors are all ropepool's own or the engine's table, whose memory
-        stays put; norm weights and tensor scales belong to the caller and are read on every call."""
-        call = self.call
-        weights = call.norm is not None and any(w is not None for w in call.norm.weights)
-        scales = any(isinstance(s, torch.Tensor) for s in (call.k_scale, call.v_scale, call.q_scale,
-                                                          call.k_out_scale, call.k_scale_cache))
-        return not weights and not scales and (call.rotation.long_from is None or call.rotation.table is not None)
+        stays put; norm weights, tensor scales and scale caches belong to the caller and are read on every
+        call."""
+        fixed, features = self.plan.fixed, self.plan.features
+        caller = any(isinstance(x, torch.Tensor) for x in fixed)  # (freqs: NumPy, ropepool's own)
+        return not caller and "pool.per_token_head" not in features and "longrope" not in features
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         """The runner for calls laid out like these arrays (under torch.compile: one that calls the op)."""
@@ -398,9 +386,9 @@ class Prepared:
                                     f"strides {list(pool.stride())}. Fix: backend='torch' (it writes through any "
                                     "view), or a pool whose last dim has stride 1.")
         extras = self.extras(q.device)
-        long_from = self.call.rotation.long_from if self.call.rotation.table is None else None
+        long_from = self.call.rotation.long_from if "longrope" in self.plan.features else None
         if not torch.compiler.is_compiling():
-            views = functools.partial(_scale_views, self.call) if self.call.per_token_head else None
+            views = functools.partial(_scale_views, self.plan) if "pool.per_token_head" in self.plan.features else None
             return self.launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
                                       self.call.rotation.table, extras[8:]).adopt(
                 extras, long_from, self.fixed_pointers(), self.call.rotation.table_ref, views)
@@ -440,5 +428,5 @@ def _(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, *rest):
     return None
 
 
-def prepare(call, tuning) -> Prepared:
-    return Prepared(call, tuning)
+def prepare(plan, tuning, fallback=None) -> Prepared:
+    return Prepared(plan, tuning)

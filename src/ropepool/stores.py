@@ -1,0 +1,92 @@
+"""How each destination of a call stores its rows: one ``Store`` record per destination.
+
+A call writes four destinations (``DESTINATIONS``): the k pool, the v pool,
+q_out and k_out. Each is described by one ``Store``: its ``format`` (an entry
+of ``FORMATS``), the element it holds, the saturation bound of a quantized
+format and the scale it reads (a float or array, or a per-token-head scale
+cache held weakly). Validation makes the stores (``validate.Call.stores``);
+the plan turns each non-plain one into a feature (``"pool.scaled"``,
+``"q_out.scaled"``, ...) that a backend must declare to be picked
+(``backends.BACKENDS``); the backends read ``store.qmax``, ``store.scale``,
+``store.scale_cache`` instead of per-format fields.
+
+Adding a cache format (e.g. fp8_ds_mla rows, NVFP4, MLX's affine 4/8-bit):
+
+1. one entry in ``FORMATS`` below (its name and what it means);
+2. validation makes ``Store(format=<name>, ...)`` for pools of that format
+   (pool_checks.py), with the scale arrays it reads as ``scale`` /
+   ``scale_ref`` (or, for an array of another meaning, a new name in
+   ``plan.EXTRAS``, the one list of the kernels' extra arrays);
+3. the kernel branch in each backend that takes it, and the feature
+   ``"pool.<name>"`` in that backend's ``supports`` (backends/__init__.py).
+
+No argument order changes anywhere else: the layout cache, the MLX graph
+cache and the Triton launchers are keyed by ``plan.Plan.key``, which reads
+each store's ``key``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+DESTINATIONS = ("k_pool", "v_pool", "q_out", "k_out")
+
+# format -> what a destination of that format stores (docs/layouts.md has the layouts).
+FORMATS = {
+    "plain": "the rows in the destination's dtype (q's, or a new array of it)",
+    "scaled": "row / scale, saturated to +-qmax (fp8 pools and outputs; scale a float, one element or one per head)",
+    "per_token_head": "row * (1 / s) saturated (int8: truncated), s = max(amax(|row|) / qmax, 1e-6) stored in the "
+                      "scale cache at the row's place (vLLM's int8/fp8_per_token_head)",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Store:
+    """One destination's storage. ``element``: the quantized element's name ("float8_e4m3fn", "int8"; MLX's
+    uint8 pools hold e4m3) or None for plain; ``qmax``: its saturation bound (0.0 for plain)."""
+
+    format: str = "plain"
+    element: str | None = None
+    qmax: float = 0.0
+    scale: Any = None  # "scaled": a float, or an array of one element or one per KV head
+    scale_ref: Any = None  # "per_token_head": weakref.ref to the scale cache
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != "plain"
+
+    @property
+    def integer(self) -> bool:
+        """Whether stored values are truncated toward zero (int8 elements)."""
+        return self.element == "int8"
+
+    @property
+    def scale_cache(self):
+        """The caller's per-token-head scale cache (None without one, or once the caller dropped it)."""
+        return None if self.scale_ref is None else self.scale_ref()
+
+    @property
+    def key(self) -> tuple:
+        """What compiled code reads of this store: a float scale by value, an array scale by its size."""
+        s = self.scale
+        scale = s if s is None or isinstance(s, float) else ("array", tuple(s.shape))
+        return (self.format, self.element, self.qmax, scale, self.scale_ref is not None)
+
+
+PLAIN = Store()
+
+
+class Stores(NamedTuple):
+    """The four destinations, in ``DESTINATIONS`` order."""
+
+    k_pool: Store = PLAIN
+    v_pool: Store = PLAIN
+    q_out: Store = PLAIN
+    k_out: Store = PLAIN
+
+
+def feature(destination: str, store: Store) -> str | None:
+    """The feature a store adds to a plan (the pools share one name): None for plain."""
+    if not store.quantized:
+        return None
+    return f"{'pool' if destination.endswith('_pool') else destination}.{store.format}"

@@ -1,0 +1,194 @@
+"""The plan record between the checked call and the backends (plan.py, stores.py, backends/__init__.py).
+
+- every keyword of the public signatures reaches the layout cache's key (a keyword left out of it would return
+  the runner of another call: silently wrong results);
+- a plan names the features its call uses, and its static key tells the calls that differ apart;
+- a backend row gets only plans whose features it declares (``plan.features <= row.supports``);
+- the extras have one order: the Triton custom op's and MLX's graph's arguments are that order.
+"""
+import inspect
+
+import numpy as np
+import pytest
+
+import ropepool
+from ropepool import QKNorm, RopeSpec, backends, plan, validate
+from ropepool.spec import CosSinCache
+from tests.harness import HAS
+
+torch = pytest.importorskip("torch") if HAS["torch"] else None
+pytestmark = pytest.mark.skipif(not HAS["torch"], reason="needs torch")
+
+T, HQ, HKV, D, P = 2, 4, 2, 16, 8
+
+
+def pool_args():
+    q, k, v = (torch.randn(T, h, D) for h in (HQ, HKV, HKV))
+    return (q, k, v, torch.arange(T), torch.arange(T), torch.zeros(P, HKV, D), torch.zeros(P, HKV, D)), \
+        dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=HKV)
+
+
+def latent_args():
+    arrays = (torch.randn(T, HQ, D), torch.randn(T, D), torch.randn(T, 32), torch.arange(T), torch.arange(T),
+              torch.zeros(P, 32), torch.zeros(P, D))
+    return arrays, dict(rope=RopeSpec(head_dim=D))
+
+
+def other_values(arrays):
+    """For each keyword: values that make another call than its default (or the base call's) value."""
+    q, k = arrays[0], arrays[1]  # (another call's: not in place)
+    caches = torch.ones(P, HKV)
+    return {
+        "head_dim": [D + 2], "num_qo_heads": [HQ + 1], "num_kv_heads": [HKV + 1], "rope_base": [5e5],
+        "rope": [RopeSpec(head_dim=D, style="gptj"), CosSinCache(torch.zeros(64, D))], "layer": [0],
+        "k_scale": [0.5], "v_scale": [0.5], "kv_layout": ["NHD"], "q_out": [torch.empty_like(q), IN_PLACE],
+        "k_out": [torch.empty_like(k), IN_PLACE], "backend": ["torch"], "qk_norm": [QKNorm(None, None)],
+        "q_scale": [0.5], "k_out_scale": [0.5], "k_scale_cache": [caches], "v_scale_cache": [caches],
+        "scale": [0.5], "q_pe_out": [torch.empty_like(q), IN_PLACE],
+    }
+
+
+IN_PLACE = "the input itself"  # q_out=q, k_out=k
+
+
+@pytest.mark.parametrize("op,make", [("rope_pool_fused", pool_args), ("rope_latent_fused", latent_args)])
+def test_layout_key_covers_every_keyword(op, make, monkeypatch):
+    """Each keyword of the op's public signature, changed alone, changes the key api.py looks the layout up by.
+
+    A keyword missing from plan.pool_key / latent_key (tried: k_out_scale dropped from pool_key's tuple) fails
+    here: the call with it changed would find the base call's runner."""
+    keys = []
+    real = plan.lookup
+    monkeypatch.setattr(plan, "lookup", lambda scalars, arrays: keys.append(scalars) or real(scalars, arrays))
+    fn = getattr(ropepool, op)
+    arrays, base = make()
+    fn(*arrays, **base)
+    base_key = keys[-1]
+    hash(base_key)
+    keywords = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    others = other_values(arrays)
+    missing = [n for n in keywords if n not in others]
+    assert not missing, f"give tests/test_plan.py other values for {missing} (and put them in plan's key)"
+    seen = {base_key}
+    for name in keywords:
+        for value in others[name]:
+            arrays, base = make()  # fresh arrays: q_out=q means q itself
+            if value is IN_PLACE:
+                value = arrays[1] if name == "k_out" else arrays[0]
+            try:
+                fn(*arrays, **{**base, name: value})
+            except (ValueError, TypeError):
+                pass  # rejected by the checks: what matters is that it was not found under the base key
+            assert keys[-1] != base_key, f"{op}: {name}={value!r} gives the base call's layout key"
+            seen.add(keys[-1])
+
+
+def test_in_place_output_is_its_own_key():
+    """q_out=q (in place) and q_out=another tensor are two keys (plan.out_kind)."""
+    (q, k, *_), _ = pool_args()
+    base = dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=HKV, rope_base=1e4, rope=None, layer=None, k_scale=None,
+                v_scale=None, kv_layout=None, k_out=None, backend=None, qk_norm=None, q_scale=None, k_out_scale=None,
+                k_scale_cache=None, v_scale_cache=None, q=q, k=k)
+    keys = {plan.pool_key(**base, q_out=out) for out in (None, q, torch.empty_like(q))}
+    assert len(keys) == 3
+
+
+def build(**kw):
+    arrays, base = pool_args()
+    extra = kw.pop("arrays", lambda a: a)
+    arrays = extra(list(arrays))
+    return plan.build(validate.check(*arrays, **{**base, **kw}))
+
+
+def fp8_pools(a):
+    a[5], a[6] = (torch.zeros(P, HKV, D, dtype=torch.float8_e4m3fn) for _ in range(2))
+    return a
+
+
+def int8_pools(a):
+    a[5], a[6] = (torch.zeros(P, HKV, D, dtype=torch.int8) for _ in range(2))
+    return a
+
+
+def mrope_positions(a):
+    a[3] = torch.zeros(3, T, dtype=torch.int64)
+    return a
+
+
+@pytest.mark.parametrize("kw,features", [
+    (dict(), set()),
+    (dict(qk_norm=QKNorm(None, None)), {"norm"}),
+    (dict(rope=RopeSpec(head_dim=D, mrope_section=(2, 3, 3)), arrays=mrope_positions), {"mrope"}),
+    (dict(rope=CosSinCache(torch.zeros(64, D))), {"table"}),
+    (dict(rope=RopeSpec(head_dim=D, scaling={"rope_type": "longrope", "short_factor": [1.0] * (D // 2),
+                                             "long_factor": [2.0] * (D // 2), "original_max_position_embeddings": 8},
+                        max_position_embeddings=32)), {"longrope"}),
+    (dict(k_scale=0.5, v_scale=0.5, arrays=fp8_pools), {"pool.scaled"}),
+    (dict(k_scale_cache=torch.ones(P, HKV), v_scale_cache=torch.ones(P, HKV), arrays=int8_pools),
+     {"pool.per_token_head"}),
+])
+def test_plan_names_its_features(kw, features):
+    built = build(**kw)
+    assert built.features == features
+    assert all(f in plan.FEATURES for f in built.features)
+    assert {s.format for s in built.stores} == {"plain"} | {f.split(".")[1] for f in features if "." in f}
+
+
+def test_plan_features_of_outputs_latent_and_grad():
+    arrays, base = pool_args()
+    q_out = torch.empty(T, HQ, D, dtype=torch.float8_e4m3fn)
+    assert plan.build(validate.check(*arrays, **base, q_out=q_out, q_scale=0.5)).features == {"q_out.scaled"}
+    arrays[0].requires_grad_()
+    assert plan.build(validate.check(*arrays, **base)).features == {"autograd"}
+    arrays, base = latent_args()
+    assert plan.build(validate.check_latent(*arrays, **base)).features == {"latent"}
+
+
+def test_static_key_tells_plans_apart():
+    """Plans that compiled code must treat differently have different keys; equal calls the same key."""
+    variants = [dict(), dict(qk_norm=QKNorm(None, None)), dict(qk_norm=QKNorm(None, None, eps=1e-5)),
+                dict(rope=RopeSpec(head_dim=D, style="gptj")), dict(rope=RopeSpec(head_dim=D, rotary_dim=8)),
+                dict(k_scale=0.5, v_scale=0.5, arrays=fp8_pools), dict(k_scale=0.25, v_scale=0.5, arrays=fp8_pools),
+                dict(k_scale=torch.ones(HKV), v_scale=0.5, arrays=fp8_pools)]
+    keys = [build(**kw).key for kw in variants]
+    assert len(set(keys)) == len(keys)
+    assert build().key == build().key and hash(build().key) == hash(build().key)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(qk_norm=QKNorm(None, None)), dict(arrays=mrope_positions,
+                                rope=RopeSpec(head_dim=D, mrope_section=(2, 3, 3))),
+                                dict(k_scale_cache=torch.ones(P, HKV), v_scale_cache=torch.ones(P, HKV),
+                                     arrays=int8_pools)])
+def test_pick_takes_the_first_row_that_supports_the_plan(kw):
+    built = build(**kw)
+    q = torch.zeros(1)
+    row = backends.pick("torch", q, None, built.features)
+    assert built.features <= row.supports
+    assert row.module == next(b.module for b in backends.BACKENDS if b.framework == "torch" and
+                              built.features <= b.supports and b.devices in (None, ("cpu",)))
+    assert row.module == (".torch_cpu" if built.features <= {"norm"} else ".torch_eager")
+
+
+def test_rows_declare_features_as_data():
+    """Every row's support is a set of known features; the explicit names stay the user's three."""
+    for b in backends.BACKENDS:
+        assert b.supports <= plan.FEATURES
+    assert backends.NAMES == ["mlx", "torch", "triton"]
+
+
+def test_extras_have_one_order():
+    """The custom op takes the extras in plan.Extras' order (its parameters are named after them)."""
+    pytest.importorskip("triton")
+    from ropepool.backends import triton_op
+
+    params = [a.name for a in torch.ops.ropepool.rope_pool.default._schema.arguments]
+    assert triton_op.rope_pool_op is not None
+    start = params.index(plan.EXTRAS[0])
+    assert params[start:start + len(plan.EXTRAS)] == list(plan.EXTRAS)
+
+
+def test_plan_extras_read_held_arrays_now():
+    table = torch.zeros(64, D)
+    built = build(rope=CosSinCache(table))
+    assert built.fixed.table is None and built.extras().table is table
+    assert isinstance(build().fixed.freqs, np.ndarray)
