@@ -69,12 +69,14 @@ def test_outputs_are_lazy(rng):
         assert primitives(a) > 0, f"{name} (a lazy input) was evaluated by the call"
 
 
-@pytest.mark.parametrize("what", ["public-call", "backend-all-traced"])
+@pytest.mark.parametrize("what", ["public-call", "public-call-all-traced", "backend-all-traced"])
 def test_runs_under_compile(what, rng):
     """Under mx.compile any evaluation of a traced array raises: the call evaluates none.
 
     public-call: q, k, v and the pools traced (positions and slots are
-    constants: validation reads their values). backend-all-traced: every
+    constants: validation reads their values). public-call-all-traced:
+    positions and slots traced too (their values unread: dtypes.tracing asks
+    MLX, which refuses to evaluate them there). backend-all-traced: every
     array traced, the MLX plan alone (as after validation).
     """
     arrays, kw = small_call(rng, dtype="bfloat16")
@@ -83,6 +85,8 @@ def test_runs_under_compile(what, rng):
     if what == "public-call":
         fn = mx.compile(lambda q, k, v, kp, vp: ropepool.rope_pool_fused(q, k, v, positions, slots, kp, vp, **kw))
         compiled = fn(q, k, v, k_pool, v_pool)
+    elif what == "public-call-all-traced":
+        compiled = mx.compile(lambda *a: ropepool.rope_pool_fused(*a, **kw))(*arrays)
     else:
         run = plan.make(validate.check(*arrays, **kw), q, "mlx").bind(*arrays)
         compiled = mx.compile(lambda *a: run(*a))(*arrays)
