@@ -75,8 +75,8 @@ def test_runs_under_compile(what, rng):
 
     public-call: q, k, v and the pools traced (positions and slots are
     constants: validation reads their values). public-call-all-traced:
-    positions and slots traced too (their values unread: dtypes.tracing asks
-    MLX, which refuses to evaluate them there). backend-all-traced: every
+    positions and slots traced too (their values unread: MLX refuses to
+    read them there, validate.check_host_values). backend-all-traced: every
     array traced, the MLX plan alone (as after validation).
     """
     arrays, kw = small_call(rng, dtype="bfloat16")

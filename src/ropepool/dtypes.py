@@ -52,15 +52,8 @@ def dtype_name(x) -> str:
     return str(x.dtype).rsplit(".", 1)[-1]
 
 
-def tracing(framework: str, *arrays) -> bool:
-    """Whether the arrays' values cannot be read now: under torch.compile tensors are fakes (no data pointers,
-    no values); under mx.compile / vmap MLX refuses to evaluate ``arrays`` (``mx.eval`` raises ValueError
-    there, and only there, for arrays it could otherwise evaluate)."""
-    if framework == "torch":
-        return sys.modules["torch"].compiler.is_compiling()
-    if framework == "mlx" and arrays:
-        try:
-            sys.modules["mlx.core"].eval(*arrays)
-        except ValueError:
-            return True
-    return False
+def tracing(framework: str) -> bool:
+    """Under torch.compile tensors are fakes: no data pointers and no values to read."""
+    if framework != "torch":
+        return False
+    return sys.modules["torch"].compiler.is_compiling()
