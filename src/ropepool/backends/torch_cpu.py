@@ -11,8 +11,8 @@ that lie in a row (a fused QKV output) are rotated as one tensor: at one token
 a torch op costs more than its arithmetic (~2 us). The pools are written with
 one ``index_copy_`` each. From 2 tokens ``torch_cpu_compiled`` runs the
 rotation as one inductor-compiled step instead, which also picks the table's
-cos/sin rows and, where it can, writes the pools; at one token (``one_token``)
-one compiled call does all of a decode call once its graph is there. Per the contract
+cos/sin rows and, where it can, writes the pools; at one token
+(``compiled_one_token``) one compiled call does all of a decode call once its graph is there. Per the contract
 (docs/precision.md) angles are ``float32(p) * inv_freq32``, cos/sin are
 torch's accurate float32 functions and the arithmetic is float32 throughout,
 with the same roundings as ``torch_eager`` (its results bit for bit).
@@ -112,11 +112,12 @@ class Fast:
         # fp8 pools (the row takes only "scaled" ones): their bound, and k's and v's scales as float32 tensors
         self.quantized, self.qmax = plan.stores.k_pool.quantized, plan.stores.k_pool.qmax
         self.scales = (ex.k_scale, ex.v_scale) if self.quantized else (None, None)
-        # one_token's lane: pools of one layer with a head dim, of q's dtype or fp8, no norm, cos/sin of a table
-        # of ours (its torch ops: flat pools only)
+        # The one-token lanes: pools of one layer with a head dim, of q's dtype or fp8, no norm, cos/sin of a
+        # table of ours; compiled_one_token's any such layout, one_token's (torch ops) flat pools only.
         self.pool_size = call.pool_size
         self.lane = geom.layer is None and geom.headed and call.norm is None and not strided and \
             (self.quantized or call.pool_dtype == call.dtype) and self.tables is not None and self.rot.long_from is None
+        self.ops_lane = self.lane and self.flat
         self.one_graph = torch_cpu_compiled.one_token_graph(self.pairs, self.pair_dim,
                                                             self.qmax if self.quantized else None,
                                                             geom.kv_layout, geom.page_size)
@@ -267,10 +268,14 @@ class Fast:
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         one = q_out is None and k_out is None and q.shape[0] == 1
         if one and self.lane:
-            done = self.one_token(q, k, v, positions, slots, k_pool, v_pool)
+            done = self.compiled_one_token(q, k, v, positions, slots, k_pool, v_pool)
             if done is not None:
                 return done
         x = self.fused_pairs(q, k) if one else None
+        if x is not None and self.ops_lane:
+            done = self.one_token(x, q, k, v, positions, slots, k_pool, v_pool)
+            if done is not None:
+                return done
         # Few slots are read as Python ints (0.7 us; aminmax and int() cost 4).
         if slots.shape[0] <= _TABLE_TOKENS:
             few = slots.tolist()
@@ -317,31 +322,36 @@ class Fast:
             self.write(v_pool, v3, slots, keep, 1)
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
 
-    def one_token(self, q, k, v, positions, slots, k_pool, v_pool):
-        """A decode call's lane (``lane``): the same values as ``run``'s with less work per call. Once compiled
-        (torch_cpu_compiled, as the steps of more tokens), one call of inductor's code rotates q and k, picks
-        the table's rows and writes both pools (~12 us, where the ops below take ~25); until then (or where a
-        slot is negative), for a flat pool where q's and k's heads lie in one row (``fused_pairs``), the few
-        torch ops it needs (the table's rows as views, each pool row written by one copy_). None where neither
-        applies or where a slot is past the pool or a position past the table: ``run`` takes the call."""
+    def compiled_one_token(self, q, k, v, positions, slots, k_pool, v_pool):
+        """A decode call's lane (``lane``) in one call of inductor's code (torch_cpu_compiled, compiled as the
+        steps of more tokens are) that rotates q and k, picks the table's rows and writes both pools: the same
+        values as ``run``'s, ~12 us where ``one_token``'s ops take ~25. None where it is not compiled (yet),
+        a slot is negative or past the pool, or a position past the table: ``run`` takes the call."""
         (s,), (p,) = slots.tolist(), positions.tolist()
-        if s >= self.pool_size or not 0 <= p < _TABLE_POSITIONS or v.ndim != 3 or k.ndim != 3 or \
-                q.shape[2] != self.rot.rotary_dim:
+        if not 0 <= s < self.pool_size or not 0 <= p < _TABLE_POSITIONS or v.ndim != 3 or k.ndim != 3 or \
+                q.shape[2] != self.rot.rotary_dim or torch_cpu_compiled.failed():
             return None
         tables = self.from_table(0, p)
         if tables is None:
             return None
-        if s >= 0 and not torch_cpu_compiled.failed():
-            out = torch_cpu_compiled.one_token((q, k, v, *tables, positions, slots, k_pool, v_pool, *self.scales),
-                                               self.one_graph, self.compiled)
-            if out is not None:
-                return out[0], out[1], k_pool, v_pool
-        x = self.fused_pairs(q, k) if self.flat else None
-        if x is None:
+        out = torch_cpu_compiled.one_token((q, k, v, *tables, positions, slots, k_pool, v_pool, *self.scales),
+                                           self.one_graph, self.compiled)
+        return None if out is None else (out[0], out[1], k_pool, v_pool)
+
+    def one_token(self, x, q, k, v, positions, slots, k_pool, v_pool):
+        """A decode call's lane (``lane``: flat pool of q's dtype or fp8, no norm, a table of ours; ``x``: its q and k
+        heads as ``fused_pairs``' one view): the few torch ops it needs, the same values as ``run``'s (the
+        table's rows as views, not copies; each pool row written by one copy_). None where it does not apply
+        (a slot past the pool, a position past the table): ``run`` takes the call."""
+        (s,), (p,) = slots.tolist(), positions.tolist()
+        if s >= self.pool_size or not 0 <= p < _TABLE_POSITIONS or v.ndim != 3:
             return None
         if STEP.holds(positions):  # once per step for every layer
             cos, sin = self.cos_sin(positions)[:2]
         else:
+            tables = self.from_table(0, p)
+            if tables is None:
+                return None
             cos, sin = tables[0][p:p + 1], tables[1][p:p + 1]
         # _block's arithmetic in four ops: a product of x (bf16, fp16) and float32 cos/sin is taken in float32
         # (x upcast exactly, as x.float() does), each product rounded, then the sum once into q's dtype.
