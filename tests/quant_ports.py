@@ -89,26 +89,28 @@ def mlx_affine_rows(rows, bits: int, group_size: int):
     """``mx.quantize(rows, group_size, bits)`` (affine) as NumPy ``(words, scales, biases)``."""
     import mlx.core as mx
 
-    w, s, b = mx.quantize(_to_mx(rows), group_size=group_size, bits=bits)
-    return np.array(w), _np(s), _np(b)
+    w, s, b = mx.quantize(to_mx(rows), group_size=group_size, bits=bits)
+    return np.array(w), mx_to_np(s), mx_to_np(b)
 
 
-def _to_mx(rows):
+def to_mx(rows):
+    """A NumPy array as an MLX array, bits kept (bfloat16 through its uint16 bits: NaN payloads too)."""
     import ml_dtypes
     import mlx.core as mx
 
-    rows = np.asarray(rows)
-    if rows.dtype == ml_dtypes.bfloat16:  # MLX reads bfloat16 from its float32 widening (exact)
-        return mx.array(rows.astype(np.float32)).astype(mx.bfloat16)
+    rows = np.ascontiguousarray(rows)
+    if rows.dtype == ml_dtypes.bfloat16:
+        return mx.view(mx.array(rows.view(np.uint16)), mx.bfloat16)
     return mx.array(rows)
 
 
-def _np(a):
+def mx_to_np(a):
+    """An MLX array as NumPy, bits kept (bfloat16 as ml_dtypes')."""
     import ml_dtypes
     import mlx.core as mx
 
     if a.dtype == mx.bfloat16:
-        return np.array(a.astype(mx.float32)).astype(ml_dtypes.bfloat16)
+        return np.array(mx.view(a, mx.uint16)).view(ml_dtypes.bfloat16)
     return np.array(a)
 
 

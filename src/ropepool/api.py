@@ -98,6 +98,13 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
     (True, True)
     """
     arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+    if type(k_pool) is tuple or type(v_pool) is tuple:  # block-quantized pools: checked in full at every call
+        call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
+                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope,
+                              layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout, q_out=q_out,
+                              k_out=k_out, qk_norm=qk_norm, q_scale=q_scale, k_out_scale=k_out_scale,
+                              k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+        return plan.make(call, q, backend).bind(*arrays)(*arrays)
     scalars = plan.pool_key(head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout,
                             q_out, k_out, backend, qk_norm, q_scale, k_out_scale, k_scale_cache, v_scale_cache, q, k)
     run = plan.lookup(scalars, arrays)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import validate
+from . import reference_quant, validate
 from .dtypes import QMAX
 from .layout import page_and_row, paged_view
 
@@ -128,9 +128,22 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_
     cos, sin = cos_sin(rot, positions)
     qw, kw = (None, None) if norm is None else norm.weights
     q_rot, k_rot = rope_and_norm(q, cos, sin, rot, norm, qw), rope_and_norm(k, cos, sin, rot, norm, kw)
+    st = call.stores
+    if st.k_pool.bits:  # tuples of arrays; the row quantized is k_rot rounded to k's dtype, as engines do
+        rows = (k_rot.astype(np.asarray(k).dtype), np.asarray(v))
+        pools = tuple(tuple(reference_quant.write_rows(pool, _block_rows(x, store), slots, kv_layout=kv_layout,
+                                                       layer=layer))
+                      for pool, x, store in zip((k_pool, v_pool), rows, (st.k_pool, st.v_pool)))
+        return (q_rot, k_rot, *pools)
     pools = _write(call, slots, ((k_pool, k_rot, k_scale), (v_pool, np.asarray(v), v_scale)),
                    (k_scale_cache, v_scale_cache))
     return (q_rot, k_rot, *pools)
+
+
+def _block_rows(x, store):
+    if store.format == "nvfp4":
+        return reference_quant.nvfp4_rows(x, float(np.asarray(store.scale, dtype=np.float32).reshape(())))
+    return reference_quant.affine_rows(x, store.bits, store.group)
 
 
 def rope_latent_fused(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, rope, kv_layout=None,

@@ -37,6 +37,11 @@ FORMATS = {
     "scaled": "row / scale, saturated to +-qmax (fp8 pools and outputs; scale a float, one element or one per head)",
     "per_token_head": "row * (1 / s) saturated (int8: truncated), s = max(amax(|row|) / qmax, 1e-6) stored in the "
                       "scale cache at the row's place (vLLM's int8/fp8_per_token_head)",
+    # Block-quantized pools (block_checks.py): the pool is the tuple of the engine's arrays, written alike.
+    "nvfp4": "FlashInfer's NVFP4: e2m1 codes two a byte and an e4m3 scale per block of 16, under the global decode "
+             "scale (scale)",
+    "affine": "mx.quantize's affine format (mlx-lm's quantized cache): bits-wide codes in uint32 words, a scale and "
+              "a bias per group of group values",
 }
 
 
@@ -50,6 +55,8 @@ class Store:
     qmax: float = 0.0
     scale: Any = None  # "scaled": a float, or an array of one element or one per KV head
     scale_ref: Any = None  # "per_token_head": weakref.ref to the scale cache
+    bits: int = 0  # "nvfp4", "affine": the width of a code
+    group: int = 0  # "nvfp4", "affine": values per scale (NVFP4's block of 16; the affine group size)
 
     @property
     def quantized(self) -> bool:
@@ -70,7 +77,7 @@ class Store:
         """What compiled code reads of this store: a float scale by value, an array scale by its size."""
         s = self.scale
         scale = s if s is None or isinstance(s, float) else ("array", tuple(s.shape))
-        return (self.format, self.element, self.qmax, scale, self.scale_ref is not None)
+        return (self.format, self.element, self.qmax, scale, self.scale_ref is not None, self.bits, self.group)
 
 
 PLAIN = Store()

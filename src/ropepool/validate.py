@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from . import backends
+from .block_checks import check_block_pools, first_array, is_block_pool
 from .checks import _check_strides, _convert_hint, _installed, _ints, _reshape, _same_place, _shape
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, QMAX, dtype_name, framework_of, tracing
 from .errors import RopePoolError
@@ -87,10 +88,12 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
           frameworks=("torch", "mlx")) -> Call:
     """Check a rope_pool_fused call in full (raising on bad input) and describe it."""
     op = "rope_pool_fused"
-    fw = _check_types(op, _ARRAYS, (q, k, v, positions, slots, k_pool, v_pool), frameworks)
+    # A block-quantized pool (a tuple) is typed by its first array here; block_checks checks the others.
+    kp, vp = first_array(k_pool), first_array(v_pool)
+    fw = _check_types(op, _ARRAYS, (q, k, v, positions, slots, kp, vp), frameworks)
     if fw == "torch":
         _check_devices(op, ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_out", "k_out"),
-                       (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out))
+                       (q, k, v, positions, slots, kp, vp, q_out, k_out))
     head_dim, num_qo_heads, num_kv_heads = _ints(head_dim=head_dim, num_qo_heads=num_qo_heads,
                                                  num_kv_heads=num_kv_heads)
     if head_dim % 2:
@@ -116,19 +119,27 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
         raise RopePoolError(f"v shape must match k shape, got {_shape(v)} vs {_shape(k)}. "
                             "Fix: pass the values of the same tokens and heads as k.")
     dt = _check_dtypes(fw, ("q", "k", "v"), (q, k, v), positions, slots)
-    pool = _check_pools(op, ("k_pool", "v_pool"), k_pool, v_pool, layer, kv_layout, num_kv_heads, head_dim,
-                        head_dim, fw)
     caches = (k_scale_cache, v_scale_cache)
     pth = any(c is not None for c in caches)
+    pools = None
+    if is_block_pool(k_pool) or is_block_pool(v_pool):
+        if pth:
+            names = ("k_scale_cache", "v_scale_cache")
+            raise RopePoolError(f"{'/'.join(names)} are for int8 or float8 pools; got them with block-quantized "
+                                "(tuple) pools. Fix: drop them (the block scales are part of the tuple).")
+        pools = check_block_pools(("k_pool", "v_pool"), k_pool, v_pool, head_dim, q, fw, (k_scale, v_scale))
+        k_pool, v_pool = k_pool[0], v_pool[0]  # the layout is the first array's; the others were checked alike
+    width = head_dim if pools is None else k_pool.shape[-1]
+    pool = _check_pools(op, ("k_pool", "v_pool"), k_pool, v_pool, layer, kv_layout, num_kv_heads, width, width, fw)
     if pth:
         backends.refuse(fw, "pool.per_token_head")
-    fp8 = _check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw,
-                             pth if backends.takes(fw, "pool.per_token_head") else None)
+    fp8 = None if pools else _check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw,
+                                                pth if backends.takes(fw, "pool.per_token_head") else None)
     if pth:
         caches = _check_scale_caches(("k_scale_cache", "v_scale_cache"), caches, fp8, (k_pool, v_pool), q,
                                      (k_scale, v_scale), fw)
         pools = (_store(fp8, cache=caches[0]), _store(fp8, cache=caches[1]))
-    else:
+    elif pools is None:  # (a block pool's global scales were checked with it)
         k_scale, v_scale = _check_pool_scales(("k_scale", "v_scale"), (k_scale, v_scale), fp8, k_pool, q,
                                               num_kv_heads)
         pools = (_store(fp8, k_scale), _store(fp8, v_scale))

@@ -28,8 +28,9 @@ from ..errors import RopePoolError
 # Every feature a plan may use (plan.build): the rotation's, the stores' (stores.feature) and the torch call's.
 ROTATION = frozenset({"norm", "mrope", "table", "longrope", "latent"})
 STORES = frozenset({"pool.scaled", "pool.per_token_head", "q_out.scaled", "k_out.scaled"})
+BLOCK = frozenset({"pool.nvfp4", "pool.affine"})  # block-quantized (tuple) pools: the torch code and MLX
 TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
-ALL = ROTATION | STORES | TORCH
+ALL = ROTATION | STORES | BLOCK | TORCH
 
 
 def _functional(framework: str, feature: str, names: str = "", name: str = "") -> None:
@@ -110,11 +111,11 @@ def _mlx_why_not(q) -> str | None:
 
 # In order of preference within a framework.
 BACKENDS = (
-    Backend("triton", "torch", ".triton_op", ALL, ("cuda",), _triton_why_not),
+    Backend("triton", "torch", ".triton_op", ALL - BLOCK, ("cuda",), _triton_why_not),
     # torch on CPU tensors in fewer passes; per-token-head caches, fp8 outputs, MRoPE, autograd and tracing
     # stay on the general torch code (its fallback too, for calls it declines at run time).
     Backend("torch", "torch", ".torch_cpu", ALL - {"mrope", "pool.per_token_head", "q_out.scaled", "k_out.scaled"}
-            - TORCH, ("cpu",), _cpu_why_not, fallback=".torch_eager"),
+            - BLOCK - TORCH, ("cpu",), _cpu_why_not, fallback=".torch_eager"),
     Backend("torch", "torch", ".torch_eager", ALL),
     Backend("mlx", "mlx", ".mlx", ALL - {"pool.per_token_head", "q_out.scaled", "k_out.scaled"} - TORCH,
             why_not=_mlx_why_not, refuse=_functional),

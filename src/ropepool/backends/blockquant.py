@@ -67,6 +67,14 @@ def affine_torch(x32, bits: int, group_size: int, dtype):
     return words, scale.to(dtype), bias.to(dtype)
 
 
+def torch_store(x32, store, global_scale, dtype):
+    """The arrays a block-quantized torch pool (its ``stores.Store``) stores for float32 rows ``x32`` (NVFP4:
+    data and block scales as uint8 bits; affine: words as int32 bits, scales and biases in ``dtype``)."""
+    if store.format == "nvfp4":
+        return nvfp4(x32, global_scale.reshape(()), torch_ops())
+    return affine_torch(x32, store.bits, store.group, dtype)
+
+
 def torch_ops():
     import torch
 

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..layout import page_and_row, row_ids
-from . import arraymath, paths
+from . import arraymath, blockquant, paths
 
 COMPILE_MAX_TOKENS = 64
 CHUNK_TOKENS = 256  # larger calls run in chunks on MLX's CPU backend ...
@@ -135,6 +135,15 @@ def write(pool: mx.array, geom, ids: mx.array, keep: mx.array, rows: mx.array) -
     return mx.view(bits, pool.dtype).reshape(pool.shape)
 
 
+def _block(rows, store, scale):
+    """The arrays a block-quantized pool stores for ``rows [T, H, D]`` (the row's dtype), each ``[T, H, ...]``."""
+    T, H, D = rows.shape
+    if store.format == "nvfp4":
+        return blockquant.nvfp4(rows.astype(mx.float32), scale, blockquant.mlx_ops())
+    parts = mx.quantize(rows.reshape(T * H, D), group_size=store.group, bits=store.bits)
+    return tuple(p.reshape(T, H, -1) for p in parts)  # mlx-lm's quantized cache stores exactly these
+
+
 def _to_pool(rows, store, scale, pool):
     if store.format == "scaled":  # MLX stores e4m3 as uint8 (mx.to_fp8)
         return mx.to_fp8(arraymath.quantize(rows.astype(mx.float32), scale, store.qmax, MlxOps))
@@ -163,6 +172,10 @@ def _graph(plan):
         q_rot = arraymath.rope_and_norm(q, cos, sin, rot, norm, qw, ops).astype(q.dtype)
         k_rot = arraymath.rope_and_norm(k3, cos, sin, rot, norm, kw, ops).astype(k.dtype)
         ids, keep = targets(call.pool, slots, ok)
+        if st.k_pool.bits:  # block-quantized: tuples of arrays, each scattered like a pool
+            k_pool = tuple(write(p, call.pool, ids, keep, r) for p, r in zip(k_pool, _block(k_rot, st.k_pool, k_scale)))
+            v_pool = tuple(write(p, call.pool, ids, keep, r) for p, r in zip(v_pool, _block(v3, st.v_pool, v_scale)))
+            return q_rot, k_rot.reshape(k.shape), k_pool, v_pool
         k_pool = write(k_pool, call.pool, ids, keep, _to_pool(k_rot, st.k_pool, k_scale, k_pool))
         v_pool = write(v_pool, call.pool, ids, keep, _to_pool(v3, st.v_pool, v_scale, v_pool))
         return q_rot, k_rot.reshape(k.shape), k_pool, v_pool
@@ -192,11 +205,14 @@ class Prepared:
         # scale caches, the rest).
         reads = plan.fixed._fields.index("v_scale") + 1
         self.arrays, self.table_ref = extras(plan.fixed)[:reads], call.rotation.table_ref
+        self.block = bool(plan.stores.k_pool.bits)  # block-quantized (tuple) pools: counted per call
 
     def bind(self, *arrays):
         return self.run
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):  # outs: torch only
+        if self.block:
+            paths.took("mlx.block_store")
         if self.table_ref is not None:
             return self.run_with(self.arrays[:1] + (self.table_ref(),) + self.arrays[2:], q, k, v, positions,
                                  slots, k_pool, v_pool)

@@ -9,7 +9,7 @@ views.
 from __future__ import annotations
 
 from ..layout import page_and_row, paged_view
-from . import arraymath
+from . import arraymath, blockquant
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
 
@@ -40,6 +40,12 @@ class Prepared:
         if ok is not None:
             write &= ok
         page, row = page_and_row(slots[write].long(), call.pool.page_size)
+        if st.k_pool.bits:  # block-quantized: each pool a tuple of arrays, each written in place
+            for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale),
+                                             (v_pool, v3, st.v_pool, ex.v_scale)):
+                for part, stored in zip(pool, blockquant.torch_store(rows[write].float(), store, scale, rows.dtype)):
+                    paged_view(part.view(stored.dtype), call.pool).index_put_((page, row), stored)
+            return q_rot, k_rot, k_pool, v_pool
         for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale), (v_pool, v3, st.v_pool, ex.v_scale)):
             rows = rows[write]
             if store.format == "per_token_head":  # each row's scale, where the pool keeps the row

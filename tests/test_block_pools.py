@@ -1,0 +1,124 @@
+"""rope_pool_fused into block-quantized pools (NVFP4, MLX's affine 4/8-bit) on the torch path and MLX.
+
+Each case passes pools full of random bytes and checks every byte of every
+array of both caches:
+
+- the written rows of the K cache hold exactly what the engine's own writer
+  stores for the returned k_rot: FlashInfer's NVFP4 append kernel (the port in
+  tests/quant_ports.py, shown equal to the oracle's model in
+  tests/test_quant_formats.py) or ``mx.quantize`` itself followed by an
+  engine-style scatter; the V cache the same for the given v, and equal to the
+  float64 oracle's (``reference.rope_pool_fused`` with tuple pools);
+- k_rot and q_rot agree with the oracle's rotation (the dtype's rounding);
+- rows no token names (negative slots, other slots, other layers) keep their bytes.
+"""
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ropepool
+from ropepool import reference
+from tests import quant_ports as port
+from tests.harness import NP_DTYPES, TOL, assert_same_bits, make_positions, make_slots, randn
+from tests.params import BACKENDS
+from tests.test_quant_formats import pool_shape, random_bytes
+
+# name: (kv_layout, page_size, layers, layer)
+LAYOUTS = {"flat": (None, 1, None, None), "nhd": ("NHD", 4, None, None), "hnd-layers": ("HND", 2, 3, 1)}
+FORMATS = {"nvfp4": None, "affine4": 4, "affine8": 8}
+H, HQ, D, G = 2, 4, 64, 32
+
+
+def parts_of(fmt, rng, layout, dtype):
+    """The random-byte arrays of one cache (NumPy), in the tuple's order."""
+    kv_layout, page_size, layers, _ = layout
+    if fmt == "nvfp4":  # (MLX receives the block scales' bytes as uint8: to_fw)
+        specs = ((D // 2, np.uint8), (D // 16, ml_dtypes.float8_e4m3fn))
+    else:
+        bits = FORMATS[fmt]
+        specs = ((D * bits // 32, np.uint32), (D // G, NP_DTYPES[dtype]), (D // G, NP_DTYPES[dtype]))
+    return tuple(random_bytes(rng, pool_shape(kv_layout, page_size, layers, last), t) for last, t in specs)
+
+
+def to_fw(a, fw):
+    if fw == "mlx":
+        return port.to_mx(a.view(np.uint8) if a.dtype == ml_dtypes.float8_e4m3fn else a)
+    import torch
+
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    if a.dtype == ml_dtypes.float8_e4m3fn:
+        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+    if a.dtype == np.uint32:
+        return torch.from_numpy(a.view(np.int32).copy()).view(torch.uint32)
+    return torch.from_numpy(a.copy())
+
+
+def to_np(x, like):
+    """A framework array back as NumPy with ``like``'s dtype (bits kept)."""
+    if framework_of_np(x) == "mlx":
+        return port.mx_to_np(x) if like.dtype == ml_dtypes.bfloat16 else np.array(x).view(like.dtype)
+    import torch
+
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[like.dtype.itemsize]
+    return x.view(width).numpy().view(like.dtype)
+
+
+def framework_of_np(x):
+    return "mlx" if type(x).__module__.startswith("mlx") else "torch"
+
+
+def engine_rows(fmt, rows, scale):
+    """What the engine's writer stores for ``rows`` (NumPy, the row's dtype): a tuple of NumPy arrays."""
+    if fmt == "nvfp4":
+        import torch
+
+        T = rows.shape[0]
+        data = torch.zeros(T, 1, H, D // 2, dtype=torch.uint8)
+        sf = torch.zeros(T, 1, H, D // 16, dtype=torch.float8_e4m3fn)
+        x = torch.from_numpy(rows.astype(np.float32)).to(getattr(torch, str(rows.dtype)))
+        port.fi_append_slot_mapping(x, torch.arange(T), data, sf, scale)
+        return data[:, 0].numpy(), sf[:, 0].view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    return port.mlx_affine_rows(rows, FORMATS[fmt], G)
+
+
+CASES = [(b, f, lay, dt) for b in BACKENDS if b != "triton" for f in FORMATS for lay in LAYOUTS
+         for dt in ("bfloat16", "float16")]
+
+
+@pytest.mark.parametrize("backend,fmt,layout,dtype", [pytest.param(*c, id="-".join(c)) for c in CASES],
+                         indirect=["backend"])
+def test_block_pool_bytes(backend, fmt, layout, dtype):
+    fw = backend.framework
+    if fmt == "nvfp4":
+        pytest.importorskip("torch")  # the NVFP4 writer's port is torch
+    if fmt != "nvfp4":
+        pytest.importorskip("mlx.core")  # the affine writer is mx.quantize
+    rng = np.random.default_rng(zlib.crc32(f"{backend}{fmt}{layout}{dtype}".encode()))
+    kv_layout, page_size, layers, layer = LAYOUTS[layout]
+    T = 7
+    q, k, v = (randn(rng, T, h, D, dtype=dtype, scale=3.0) for h in (HQ, H, H))
+    positions, slots = make_positions(rng, T), make_slots(rng, T, 16)
+    k0, v0 = parts_of(fmt, rng, LAYOUTS[layout], dtype), parts_of(fmt, rng, LAYOUTS[layout], dtype)
+    scales = {"k_scale": 0.25, "v_scale": 0.5} if fmt == "nvfp4" else {}
+    kw = dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=H, kv_layout=kv_layout, layer=layer, **scales)
+    q_rot, k_rot, kp, vp = ropepool.rope_pool_fused(
+        *(to_fw(a, fw) for a in (q, k, v, positions, slots)), tuple(to_fw(a, fw) for a in k0),
+        tuple(to_fw(a, fw) for a in v0), backend=backend.name, **kw)
+    assert isinstance(kp, tuple) and len(kp) == len(k0)
+    k_rot = to_np(k_rot, k)
+    ref = reference.rope_pool_fused(q, k, v, positions, slots, k0, v0, **kw)
+    for name, got, want in (("q_rot", to_np(q_rot, q), ref[0]), ("k_rot", k_rot, ref[1])):
+        err = np.abs(got.astype(np.float64) - want).max() / max(1.0, np.abs(want).max())
+        assert err < TOL[dtype], f"{name}: {err:.2e}"
+    for cache, got, start, rows, scale in (("k", kp, k0, k_rot, scales.get("k_scale")),
+                                           ("v", vp, v0, v, scales.get("v_scale"))):
+        want = [port.scatter(p, r, slots, kv_layout, layer) for p, r in zip(start, engine_rows(fmt, rows, scale))]
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_bits(f"{cache}_pool[{i}]", to_np(g, w), w)
+    for i, (g, w) in enumerate(zip(vp, ref[3])):  # V is not rotated: the oracle's bytes exactly
+        assert_same_bits(f"v_pool[{i}] vs the oracle", to_np(g, w), w)
