@@ -43,8 +43,9 @@ def prompts():
     return [gen.integers(0, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
 
 
-def greedy_mlx_lm(model, prompt, n):
-    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1))
+def greedy_mlx_lm(model, prompt, n, **kv):
+    """mlx-lm's own greedy generation; ``kv``: its quantized cache (kv_bits=, kv_group_size=, quantized_kv_start=)."""
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1), **kv)
     return [int(t) for t, _ in steps]
 
 
@@ -113,6 +114,30 @@ def test_bfloat16_logits_as_close_as_mlx_lm_own(name):
         f"{name}: ropepool's bf16 logits are {dist(ours):.3f} (in logit spreads) from the float32 model's, "
         f"mlx-lm's own bf16 logits {dist(theirs):.3f}")
     assert top1 >= 0.75, f"{name}: ropepool's bf16 top token agrees with mlx-lm's bf16 at {top1:.0%} of positions"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_quantized_cache_tokens_identical_to_mlx_lm(name, bits):
+    """mlx-lm's quantized KV cache (kv_bits, kv_group_size=64, from the first token) served through ropepool:
+    rope_pool_fused writes each row as mx.quantize stores it into tuple pools, attention reads them as mlx-lm's
+    QuantizedKVCache does; float32 greedy tokens identical to mlx-lm's own quantized generation, every layer's
+    write one ropepool call."""
+    from ropepool.backends import paths
+
+    config = {**CONFIGS[name], "head_dim": 64}  # a group of 64 needs head_dim >= 64
+    model = build(config, mx.float32)
+    kv = {"kv_bits": bits, "kv_group_size": 64, "quantized_kv_start": 0}
+    want = [greedy_mlx_lm(model, p, NEW_TOKENS, **kv) for p in prompts()]
+    pooled = PooledModel(model, config, pool_rows=256, slot_order=np.random.default_rng(6).permutation(256),
+                         kv_bits=bits, kv_group_size=64)
+    with paths.counting() as seen:
+        got = pooled.generate(prompts(), NEW_TOKENS)
+    assert got == want, f"{name}, {bits} bits: ropepool's tokens differ from mlx-lm's:\n{got}\nvs\n{want}"
+    forwards = len(PROMPT_LENGTHS) + NEW_TOKENS  # each prompt but its last token alone, then batched steps
+    assert seen["mlx.block_store"] == forwards * len(model.model.layers), seen
+    if bits == 4:  # the quantization shows: the float cache's tokens are others (the comparison can fail)
+        assert [greedy_mlx_lm(model, p, NEW_TOKENS) for p in prompts()] != want
 
 
 def test_a_wrong_rope_changes_the_tokens():

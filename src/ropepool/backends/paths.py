@@ -34,6 +34,7 @@ Paths counted now (keep this list in step):
 - ``mlx.traced``: the Python of MLX's graph function ran: at every eager
   call, and once per trace of the compiled graph (so a compiled call that
   really reuses its graph does not add one).
+- ``mlx.block_store``: an MLX call wrote block-quantized (tuple) pools (NVFP4, affine);
 - ``torch_cpu.write``: the CPU path wrote one pool (k or v) with torch ops;
 - ``torch_cpu.one_token``: a one-token CPU call took ``Fast.one_token``'s
   lane (fused q/k view, table rows as views, a copy_ per pool row);

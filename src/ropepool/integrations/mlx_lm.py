@@ -71,10 +71,12 @@ class LayerView:
 
 
 class Step:
-    """One forward: ``B`` sequences of ``L`` tokens, their positions and slots, and each sequence's slot table."""
+    """One forward: ``B`` sequences of ``L`` tokens, their positions and slots, and each sequence's slot table.
+    ``first``: the sequence's first forward (with quantized pools it attends over its own unquantized rows)."""
 
-    def __init__(self, pools: SlotPools, positions, slots, table, mask):
+    def __init__(self, pools: SlotPools, positions, slots, table, mask, first=False):
         self.pools, self.positions, self.slots, self.table, self.mask = pools, positions, slots, table, mask
+        self.first = first
         self.layers = [LayerView(self, i) for i in range(len(pools.k))]
 
 
@@ -97,23 +99,46 @@ class PooledAttention(nn.Module):
         k = a.k_proj(x).reshape(B * L, a.n_kv_heads, -1)
         v = a.v_proj(x).reshape(B * L, a.n_kv_heads, -1)
         pools = step.pools
-        q, _, pools.k[i], pools.v[i] = rope_pool_fused(
+        q, k_rot, pools.k[i], pools.v[i] = rope_pool_fused(
             q, k, v, step.positions, step.slots, pools.k[i], pools.v[i], head_dim=self.head_dim,
             num_qo_heads=a.n_heads, num_kv_heads=a.n_kv_heads, rope=self._rope, qk_norm=self._norm)
-        # Each sequence's rows, in order, from the pool just written: [B, heads, S, head_dim].
-        keys = pools.k[i][step.table].transpose(0, 2, 1, 3)
-        values = pools.v[i][step.table].transpose(0, 2, 1, 3)
         queries = q.reshape(B, L, a.n_heads, -1).transpose(0, 2, 1, 3)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=a.scale, mask=mask)
+        if pools.bits and not step.first:  # mlx-lm's attention over its quantized cache (QuantizedKVCache)
+            from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+            keys, values = (tuple(p[step.table].transpose(0, 2, 1, 3) for p in pool) for pool in (pools.k[i],
+                                                                                                pools.v[i]))
+            out = quantized_scaled_dot_product_attention(queries, keys, values, scale=a.scale, mask=mask,
+                                                         group_size=pools.group_size, bits=pools.bits)
+        else:
+            if pools.bits:  # a first forward: mlx-lm attends over the new rows before it quantizes them
+                keys, values = (x.reshape(B, L, a.n_kv_heads, -1) for x in (k_rot, v))
+            else:  # each sequence's rows, in order, from the pool just written
+                keys, values = pools.k[i][step.table], pools.v[i][step.table]
+            keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)  # [B, heads, S, head_dim]
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=a.scale, mask=mask)
         return a.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class SlotPools:
-    """One ``[rows, num_kv_heads, head_dim]`` K and V pool per layer, and the slots each sequence holds."""
+    """One ``[rows, num_kv_heads, head_dim]`` K and V pool per layer, and the slots each sequence holds.
 
-    def __init__(self, attentions, rows: int, dtype, slot_order=None):
-        self.k = [mx.zeros((rows, a.inner.n_kv_heads, a.head_dim), dtype=dtype) for a in attentions]
-        self.v = [mx.zeros_like(p) for p in self.k]
+    With ``bits`` (mlx-lm's ``kv_bits``, 4 or 8) each pool is the tuple mlx-lm's ``QuantizedKVCache`` keeps,
+    ``(words uint32, scales, biases)``, rows as ``mx.quantize`` stores them (groups of ``group_size``)."""
+
+    def __init__(self, attentions, rows: int, dtype, slot_order=None, bits=None, group_size=64):
+        self.bits, self.group_size = bits, group_size
+
+        def pool(a):
+            shape = (rows, a.inner.n_kv_heads)
+            if bits is None:
+                return mx.zeros((*shape, a.head_dim), dtype=dtype)
+            groups = (*shape, a.head_dim // group_size)
+            return (mx.zeros((*shape, a.head_dim * bits // 32), dtype=mx.uint32), mx.zeros(groups, dtype=dtype),
+                    mx.zeros(groups, dtype=dtype))
+
+        self.k = [pool(a) for a in attentions]
+        self.v = [pool(a) for a in attentions]
         mx.eval(self.k, self.v)
         order = np.arange(rows) if slot_order is None else np.asarray(slot_order)
         self.free = list(order[::-1])
@@ -154,9 +179,12 @@ class PooledModel:
     config : the model's config (``model.args`` or the config dict it was built from)
     pool_rows : slots per layer pool
     slot_order : optional order in which free slots are handed out (default 0, 1, 2, ...)
+    kv_bits, kv_group_size : mlx-lm's quantized KV cache (``kv_bits`` 4 or 8): the pools hold each row as
+        ``mx.quantize`` stores it, written by rope_pool_fused, and attention reads them as mlx-lm's
+        ``QuantizedKVCache`` does (mlx-lm's ``generate_step(..., kv_bits=, quantized_kv_start=0)``)
     """
 
-    def __init__(self, model, config, pool_rows: int = 4096, slot_order=None):
+    def __init__(self, model, config, pool_rows: int = 4096, slot_order=None, kv_bits=None, kv_group_size=64):
         self.model, config = model, _config_dict(config)
         layers = _attention_layers(model)
         for layer in layers:
@@ -165,12 +193,17 @@ class PooledModel:
         attentions = [layer.self_attn for layer in layers]
         proj = attentions[0].inner.q_proj
         dtype = getattr(proj, "scales", proj.weight).dtype  # a quantized layer's weight is packed ints
-        self.pools = SlotPools(attentions, pool_rows, dtype, slot_order)
+        self.pools = SlotPools(attentions, pool_rows, dtype, slot_order, kv_bits, kv_group_size)
         self.lengths: dict = {}
 
     def forward(self, seqs, tokens) -> mx.array:
         """Logits ``[B, L, vocab]`` for ``tokens [B, L]`` appended to the sequences ``seqs`` (new ones start)."""
         B, L = tokens.shape
+        first = [s not in self.lengths for s in seqs]
+        if self.pools.bits and any(first) and B > 1:
+            raise RopePoolError(f"with quantized pools each sequence's first forward runs alone; got new sequences "
+                                f"{[s for s, f in zip(seqs, first) if f]} in a step of {B}. Fix: forward each new "
+                                "sequence alone first (generate() does).")
         positions, slots = [], []
         for s in seqs:
             start = self.lengths.get(s, 0)
@@ -189,25 +222,32 @@ class PooledModel:
                                     "sequence. Fix: prefill each sequence alone, then decode them together.")
             mask = mx.array(np.arange(S)[None, :] < np.array([len(h) for h in held])[:, None])[:, None, None, :]
         step = Step(self.pools, mx.array(np.concatenate(positions).astype(np.int32)),
-                    mx.array(np.array(slots, dtype=np.int32).reshape(-1)), mx.array(table), mask)
+                    mx.array(np.array(slots, dtype=np.int32).reshape(-1)), mx.array(table), mask, all(first))
         return self.model(tokens, cache=step.layers)
 
     def generate(self, prompts, max_tokens: int) -> list:
-        """Greedy continuations of ``prompts`` (lists of token ids): each prefilled alone, then decoded together."""
+        """Greedy continuations of ``prompts`` (lists of token ids): each prefilled alone, then decoded together.
+
+        With quantized pools, as mlx-lm's generate_step: a prompt's last token is decoded (attending to the
+        quantized rows) rather than prefilled, since mlx-lm quantizes its cache after the first forward."""
         seqs = list(range(len(prompts)))
         for s in seqs:
             self.pools.release(s)
             self.lengths.pop(s, None)
-        last = []
+        out, pending = [[] for _ in seqs], []
         for s, prompt in zip(seqs, prompts):
-            logits = self.forward([s], mx.array([list(prompt)]))
-            last.append(mx.argmax(logits[:, -1], axis=-1))
-        tokens = mx.concatenate(last)
-        out = [[] for _ in seqs]
-        for n in range(max_tokens):
+            head = list(prompt[:-1]) if self.pools.bits and len(prompt) > 1 else list(prompt)
+            logits = self.forward([s], mx.array([head]))
+            if len(head) < len(prompt):
+                pending.append(prompt[-1])
+            else:
+                out[s].append(int(mx.argmax(logits[0, -1])))
+                pending.append(out[s][-1])
+        tokens = mx.array(pending)
+        while min(map(len, out)) < max_tokens:
+            tokens = mx.argmax(self.forward(seqs, tokens[:, None])[:, -1], axis=-1)
             mx.eval(tokens)
             for o, t in zip(out, tokens.tolist()):
-                o.append(t)
-            if n + 1 < max_tokens:
-                tokens = mx.argmax(self.forward(seqs, tokens[:, None])[:, -1], axis=-1)
+                if len(o) < max_tokens:
+                    o.append(t)
         return out
