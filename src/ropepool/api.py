@@ -33,7 +33,10 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
         ``[num_pages, page_size, num_kv_heads, head_dim]`` and with ``"HND"``
         ``[num_pages, num_kv_heads, page_size, head_dim]`` (slot =
         page * page_size + row). q's dtype, or float8 with scales (MLX: uint8
-        holding e4m3, as ``mx.to_fp8`` stores it).
+        holding e4m3, as ``mx.to_fp8`` stores it). A block-quantized cache is
+        the tuple of its arrays, each in that layout with its own last dim:
+        NVFP4 ``(data, block_scales)`` (k_scale / v_scale: its global decode
+        scales) or mlx-lm's affine ``(words, scales, biases)``; returned as tuples.
     head_dim, num_qo_heads, num_kv_heads : int
     rope_base : float
         The RoPE base of plain NeoX RoPE; ignored in favour of ``rope``.
