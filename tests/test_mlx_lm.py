@@ -140,6 +140,13 @@ def test_quantized_cache_tokens_identical_to_mlx_lm(name, bits):
         assert [greedy_mlx_lm(model, p, NEW_TOKENS) for p in prompts()] != want
 
 
+def test_quantized_first_forwards_run_alone():
+    config = {**CONFIGS["llama"], "head_dim": 64}
+    pooled = PooledModel(build(config, mx.float32), config, pool_rows=16, kv_bits=4)
+    with pytest.raises(ropepool.RopePoolError, match="first forward runs alone"):
+        pooled.forward([0, 1], mx.array([[3], [4]]))
+
+
 def test_a_wrong_rope_changes_the_tokens():
     config = CONFIGS["mistral"]
     model = build(config, mx.float32)
