@@ -96,3 +96,25 @@ def test_valid_calls_write():
         before = k_pool[0].clone()
         call(k_pool, v_pool, **kw)
         assert not torch.equal(k_pool[0][1], before[1]) and torch.equal(k_pool[0][0], before[0])
+
+
+def test_a_remembered_layout_still_checks_every_array():
+    """Calls with tuple pools are remembered by the layout cache (their first arrays guarded, the others'
+    layouts in the key): a later call whose other arrays differ is checked in full again, and raises."""
+    from ropepool import plan
+
+    good = affine_cache()
+    for _ in range(2):  # the second call finds the first one's runner
+        call(good, affine_cache())
+    hits = []
+    real = plan.lookup
+    plan.lookup = lambda *a: hits.append(real(*a)) or hits[-1]
+    try:
+        call(good, affine_cache())
+        assert hits[-1] is not None, "a repeated block-quantized call was checked in full again"
+        bad = (good[0], good[1].to(torch.float16), good[2])  # scales of another dtype, same shapes
+        with pytest.raises(ValueError, match=r"k_pool\[1\] \(scales\) must have dtype float32"):
+            call(bad, affine_cache())
+        assert hits[-1] is None
+    finally:
+        plan.lookup = real

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import plan, validate
+from .block_checks import first_array, parts_layout
 
 Array = Any  # a torch.Tensor or an mx.array
 
@@ -101,16 +102,14 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
     (True, True)
     """
     arrays = (q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
-    if type(k_pool) is tuple or type(v_pool) is tuple:  # block-quantized pools: checked in full at every call
-        call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
-                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope,
-                              layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout, q_out=q_out,
-                              k_out=k_out, qk_norm=qk_norm, q_scale=q_scale, k_out_scale=k_out_scale,
-                              k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
-        return plan.make(call, q, backend).bind(*arrays)(*arrays)
     scalars = plan.pool_key(head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_scale, v_scale, kv_layout,
                             q_out, k_out, backend, qk_norm, q_scale, k_out_scale, k_scale_cache, v_scale_cache, q, k)
-    run = plan.lookup(scalars, arrays)
+    seen = arrays
+    if type(k_pool) is tuple or type(v_pool) is tuple:
+        # Block-quantized pools: the layout cache guards their first arrays and keys the others' layouts.
+        seen = arrays[:5] + (first_array(k_pool), first_array(v_pool)) + arrays[7:]
+        scalars += (parts_layout(k_pool, v_pool),)
+    run = plan.lookup(scalars, seen)
     if run is None:
         call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
                               num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope,
@@ -118,7 +117,7 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
                               k_out=k_out, qk_norm=qk_norm, q_scale=q_scale, k_out_scale=k_out_scale,
                               k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
         run = plan.make(call, q, backend).bind(*arrays)
-        plan.remember(scalars, arrays, call, run)
+        plan.remember(scalars, seen, call, run)
     return run(*arrays)
 
 

@@ -35,6 +35,16 @@ def first_array(pool):
     return pool[0] if is_block_pool(pool) and pool else pool
 
 
+def parts_layout(k_pool, v_pool) -> tuple:
+    """What the layout cache keys of two tuple pools besides their first arrays (which it guards): each
+    array's type, dtype, shape and (torch) strides and device. Equal for calls whose full checks agree."""
+    def one(x):
+        return (type(x), str(getattr(x, "dtype", None)), tuple(getattr(x, "shape", ())),
+                x.stride() if hasattr(x, "stride") else None, str(getattr(x, "device", None)))
+
+    return tuple(tuple(one(x) for x in p) if is_block_pool(p) else None for p in (k_pool, v_pool))
+
+
 def check_block_pools(names, k_pool, v_pool, head_dim, q, fw, scales) -> tuple:
     """The stores of two tuple pools (raising on any misuse); ``scales``: k_scale, v_scale (NVFP4's global ones)."""
     pools = dict(zip(names, (k_pool, v_pool)))
