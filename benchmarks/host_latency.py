@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 import ropepool
-from ropepool import plan, validate
+from ropepool import plan
+from ropepool.checks import validate
 
 
 @triton.jit

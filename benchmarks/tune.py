@@ -11,7 +11,8 @@ import argparse
 
 import torch
 
-from ropepool import plan, validate
+from ropepool import plan
+from ropepool.checks import validate
 from ropepool.cli import bench
 from ropepool.cli.bench_clock import Clock
 from ropepool.cli.bench_providers import BASE

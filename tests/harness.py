@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 
 import ropepool
-from ropepool import CosSinCache, QKNorm, plan, reference, validate
+from ropepool import CosSinCache, QKNorm, plan, reference
+from ropepool.checks import validate
 
 FLOATS = ("float16", "bfloat16", "float32")
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import ropepool  # noqa: E402
 from ropepool import CosSinCache, RopeSpec  # noqa: E402
 from ropepool.backends import paths, torch_cpu, torch_cpu_compiled  # noqa: E402
-from ropepool.values import STEP  # noqa: E402
+from ropepool.checks.values import STEP  # noqa: E402
 from tests.harness import FLOATS, Backend, cos_sin_table, make_cache, poison, run_checked  # noqa: E402
 from tests.test_cpu_path import fused_qkv  # noqa: E402
 

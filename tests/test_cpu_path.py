@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from ropepool import CosSinCache, RopeSpec  # noqa: E402
 from ropepool.backends import paths, torch_cpu, torch_cpu_compiled  # noqa: E402
-from ropepool.values import check_values  # noqa: E402
+from ropepool.checks.values import check_values  # noqa: E402
 from tests.harness import (  # noqa: E402
     FLOATS,
     Backend,
@@ -383,7 +383,7 @@ def test_a_steps_arrays_are_checked_and_rotated_once(spy, rng):
     cos/sin made once for every layer's call, with the oracle's results; an unregistered array, even
     equal, is checked in full; the next step starts afresh."""
     from ropepool import RopePoolError
-    from ropepool.values import STEP
+    from ropepool.checks.values import STEP
 
     computed = spy("_cos_sin")
     T, Hq, Hkv, D, P = 5, 2, 1, 64, 32

@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: this module
 
 pytest.importorskip("transformers")
 
-from ropepool.hf_config import FAMILIES
+from ropepool.rotation.hf_config import FAMILIES
 from tests import hf_conformance as hfc
 from tests.hf_cases import CASES, CASES_BY_NAME
 

@@ -98,7 +98,7 @@ def test_fresh_tables_are_freed():
 
     grew = _retained_blocks(run, CALLS)
     assert alive.n == 0
-    assert len(plan._SEEN) == 0
+    assert len(plan.cache._SEEN) == 0
     assert grew < 1000, grew
 
 
@@ -108,13 +108,13 @@ def test_one_table_many_cos_sin_caches():
     plan.forget()
     tables = [torch.randn(8, 32)]
     misses = []
-    full_check = ropepool.validate.check
+    full_check = ropepool.checks.validate.check
 
     def counted(*a, **kw):
         misses.append(type(a[0]))  # the oracle's own check (numpy) aside
         return full_check(*a, **kw)
 
-    ropepool.validate.check = counted
+    ropepool.checks.validate.check = counted
     try:
         def run(i):
             rope = ropepool.CosSinCache(tables[0], is_neox=True)
@@ -124,18 +124,18 @@ def test_one_table_many_cos_sin_caches():
 
         grew = _retained_blocks(run, CALLS)
     finally:
-        ropepool.validate.check = full_check
-    assert misses.count(torch.Tensor) == 1 and len(plan._SEEN) == 1
+        ropepool.checks.validate.check = full_check
+    assert misses.count(torch.Tensor) == 1 and len(plan.cache._SEEN) == 1
     assert grew < 1000, grew
     ref = weakref.ref(tables[0])
     tables.clear()
-    assert ref() is None and len(plan._SEEN) == 0
+    assert ref() is None and len(plan.cache._SEEN) == 0
 
 
 def test_caller_arrays_in_keys_stay_in_the_bytes_bound(monkeypatch):
     """A fresh QKNorm (its weight tensors) per call: the layout cache holds their bytes within its bound
     (a tight one here, 16 KB), so all but the last few of 2,000 weights are freed."""
-    monkeypatch.setattr(plan, "_MAX_BYTES", 16 << 10)
+    monkeypatch.setattr(plan.cache, "_MAX_BYTES", 16 << 10)
     plan.forget()
     alive = _Alive()
     for _ in range(2000):
@@ -145,7 +145,7 @@ def test_caller_arrays_in_keys_stay_in_the_bytes_bound(monkeypatch):
         ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv,
                                  qk_norm=ropepool.QKNorm(w, w))
         del w
-        assert plan._held[0] <= 16 << 10
+        assert plan.cache._held[0] <= 16 << 10
     assert alive.n <= (16 << 10) // (2 * 4 * D), alive.n
     plan.forget()
 
@@ -195,7 +195,7 @@ def test_decode_loop_stays_flat():
     def sized(i):
         run(i)
         if i >= 200 and i % 500 == 0:
-            sizes.append((len(plan._SEEN), sum(map(len, plan._SEEN.values()))))
+            sizes.append((len(plan.cache._SEEN), sum(map(len, plan.cache._SEEN.values()))))
 
     grew = _retained_blocks(sized, 5000)
     assert len(set(sizes)) == 1, sizes
@@ -243,7 +243,7 @@ def test_vllm_table_map_keeps_no_table():
         refs.append(weakref.ref(table))
     del table
     assert sum(r() is not None for r in refs) == 0
-    assert len(vllm._TABLES) == 0 and len(plan._SEEN) == 0
+    assert len(vllm._TABLES) == 0 and len(plan.cache._SEEN) == 0
 
 
 @pytest.mark.skipif(not HAS["mlx"], reason="needs mlx")
@@ -270,7 +270,7 @@ def test_mlx_fresh_tables_are_freed():
             gc.collect()
             active.append(mx.get_active_memory())
     assert sum(r() is not None for r in refs) == 0
-    assert len(plan._SEEN_MLX) == 0
+    assert len(plan.cache._SEEN_MLX) == 0
     assert active[1] <= active[0] + (64 << 10), active
 
 
@@ -285,8 +285,9 @@ def test_torch_and_mlx_calls_in_one_process_both_hit(monkeypatch):
     spec = ropepool.RopeSpec(head_dim=D)
     margs = [mx.array(x.numpy()) for x in _call(spec)[0]]
     checks = []
-    full_check = ropepool.validate.check
-    monkeypatch.setattr(ropepool.validate, "check", lambda *a, **kw: checks.append(type(a[0])) or full_check(*a, **kw))
+    full_check = ropepool.checks.validate.check
+    monkeypatch.setattr(ropepool.checks.validate, "check",
+                        lambda *a, **kw: checks.append(type(a[0])) or full_check(*a, **kw))
     for _ in range(10):
         _call(spec)
         out = ropepool.rope_pool_fused(*margs, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope=spec)
@@ -333,24 +334,24 @@ def test_fresh_scale_caches_are_freed(fresh_pools):
         _per_token_head_call(pools, scales, check=i % 500 == 0)
         for s in scales:
             alive.watch(s)
-        assert len(plan._SEEN) <= 1
+        assert len(plan.cache._SEEN) <= 1
         del scales, pools, s
     assert alive.n == 0
-    assert len(plan._SEEN) == 0 and len(plan._WATCHED) == 0
+    assert len(plan.cache._SEEN) == 0 and len(plan.cache._WATCHED) == 0
 
     scales = [torch.zeros(shape) for _ in range(2)]
     checks = []
-    full_check = ropepool.validate.check
-    ropepool.validate.check = lambda *a, **kw: checks.append(type(a[0])) or full_check(*a, **kw)
+    full_check = ropepool.checks.validate.check
+    ropepool.checks.validate.check = lambda *a, **kw: checks.append(type(a[0])) or full_check(*a, **kw)
     try:
         for i in range(100):
             _per_token_head_call(same, scales, check=i == 99)
     finally:
-        ropepool.validate.check = full_check
-    assert checks.count(torch.Tensor) == 1 and len(plan._SEEN) == 1
+        ropepool.checks.validate.check = full_check
+    assert checks.count(torch.Tensor) == 1 and len(plan.cache._SEEN) == 1
     ref = weakref.ref(scales[0])
     del scales
-    assert ref() is None and len(plan._SEEN) == 0
+    assert ref() is None and len(plan.cache._SEEN) == 0
 
 
 def test_triton_launcher_keeps_no_scale_cache():
@@ -370,15 +371,15 @@ def test_triton_launcher_keeps_no_scale_cache():
         del scales
     gc.collect()
     assert sum(r() is not None for r in refs) == 0
-    assert len(plan._SEEN) == 0
+    assert len(plan.cache._SEEN) == 0
 
 
 def test_in_place_calls_find_their_layout(monkeypatch):
     """q_out=q, k_out=k (vLLM's way): checked in full once, then found; outputs of their own are another key
     (checked again), and the in-place layout is still found after them."""
     plan.forget()
-    full, full_check = [], ropepool.validate.check
-    monkeypatch.setattr(ropepool.validate, "check", lambda *a, **kw: full.append(1) or full_check(*a, **kw))
+    full, full_check = [], ropepool.checks.validate.check
+    monkeypatch.setattr(ropepool.checks.validate, "check", lambda *a, **kw: full.append(1) or full_check(*a, **kw))
     q, k, v = (torch.randn(T, h, D) for h in (Hq, Hkv, Hkv))
     args = (v, torch.arange(T), torch.arange(T), *(torch.zeros(P, Hkv, D) for _ in range(2)))
     kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv)

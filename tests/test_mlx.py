@@ -21,7 +21,8 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install '
                                             "the MLX backend is not tested here")
 
 import ropepool  # noqa: E402
-from ropepool import QKNorm, RopeSpec, plan, validate  # noqa: E402
+from ropepool import QKNorm, RopeSpec, plan
+from ropepool.checks import validate  # noqa: E402
 from tests.harness import Backend, assert_same_bits, make_positions, make_slots, randn  # noqa: E402
 
 X = Backend("mlx")

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import ropepool
-from ropepool import QKNorm, RopeSpec, backends, plan, validate
-from ropepool.spec import CosSinCache
+from ropepool import QKNorm, RopeSpec, backends, plan
+from ropepool.checks import validate
+from ropepool.rotation.spec import CosSinCache
 from tests.harness import HAS
 
 torch = pytest.importorskip("torch") if HAS["torch"] else None
@@ -192,3 +193,22 @@ def test_plan_extras_read_held_arrays_now():
     built = build(rope=CosSinCache(table))
     assert built.fixed.table is None and built.extras().table is table
     assert isinstance(build().fixed.freqs, np.ndarray)
+
+
+def test_static_key_covers_every_rotation_field():
+    """A Rotation that differs in any field but its arrays gives another key (the key lists the record's fields,
+    not a hand-kept subset: tried, a hand-written tuple without mrope_interleaved fails here)."""
+    import dataclasses
+
+    base = build()
+    others = {int: lambda x: x + 2, bool: lambda x: not x, float: lambda x: x * 2, type(None): lambda x: 4,
+              tuple: lambda x: (x[0] + 1,) + x[1:]}
+    unset = {"mrope_section": (2, 3, 3)}  # fields whose None has a shaped other value
+    for f in dataclasses.fields(base.call.rotation):
+        if f.name in ("freqs", "table_ref", "rows"):
+            continue
+        value = getattr(base.call.rotation, f.name)
+        new = unset[f.name] if value is None and f.name in unset else others[type(value)](value)
+        rot = dataclasses.replace(base.call.rotation, **{f.name: new})
+        other = plan.build(dataclasses.replace(base.call, rotation=rot))
+        assert other.key != base.key, f"Rotation.{f.name} is not in plan.Plan.key"

@@ -29,8 +29,8 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from ropepool.errors import RopePoolError
-from ropepool.hf_config import FAMILIES
-from ropepool.spec import RopeSpec
+from ropepool.rotation.hf_config import FAMILIES
+from ropepool.rotation.spec import RopeSpec
 
 # transformers builds inv_freq in float32 (arange cast to float32, then base ** exponent
 # and, for yarn, the ramp in float32); the float32 rounding of the exponent is amplified

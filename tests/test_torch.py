@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ropepool  # noqa: E402
-from ropepool import validate  # noqa: E402
+from ropepool.checks import validate  # noqa: E402
 from tests.harness import (  # noqa: E402
     assert_same_bits,
     backend_for,

@@ -4,10 +4,10 @@ import sys
 from . import reference
 from ._version import __version__
 from .api import rope_latent_fused, rope_pool_fused
+from .checks.values import validate_slots
 from .errors import RopePoolError
-from .norm import QKNorm
-from .spec import CosSinCache, RopeSpec
-from .values import validate_slots
+from .rotation.norm import QKNorm
+from .rotation.spec import CosSinCache, RopeSpec
 
 if sys.modules.get("torch") is not None:  # torch is in use already: ready its backends before anything is compiled
     from .backends import load_torch_backends

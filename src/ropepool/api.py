@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import plan, validate
-from .block_checks import first_array, parts_layout
+from . import plan
+from .checks import validate
+from .checks.blocks import first_array, parts_layout
 
 Array = Any  # a torch.Tensor or an mx.array
 

@@ -15,7 +15,7 @@ shapes and dtype names, so the NumPy oracle, PyTorch and MLX share them.
 """
 from __future__ import annotations
 
-from .dtypes import dtype_name
+from .checks.dtypes import dtype_name
 from .errors import RopePoolError
 
 E4M3_MAX = 448.0  # the writers divide amax by it (kFp8ScaleDivisor; 224 only on ROCm's fnuz gfx942)

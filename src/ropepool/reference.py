@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference_quant, validate
-from .dtypes import QMAX
-from .layout import page_and_row, paged_view
+from . import reference_quant
+from .checks import validate
+from .checks.dtypes import QMAX
+from .checks.layout import page_and_row, paged_view
 
 
 def cos_sin(rot, positions) -> tuple:

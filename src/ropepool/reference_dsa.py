@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from . import dsa
-from .layout import page_and_row, paged_view, pool_geometry
+from .checks.layout import page_and_row, paged_view, pool_geometry
 from .reference import cos_sin, rope_and_norm
 
 FLT_MIN = float(np.finfo(np.float32).tiny)  # the ds_mla tile scale's floor (CUDA's FLT_MIN)

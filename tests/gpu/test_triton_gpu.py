@@ -301,12 +301,12 @@ def test_later_calls_launch_directly(rng, monkeypatch):
     """A layout's later calls hand their pointers straight to the compiled kernel (no JIT, no launch
     metadata), and stay exact; with a profiler's launch hook set they go through Triton's hooks."""
     triton = pytest.importorskip("triton")
-    from ropepool.backends import triton_op
+    from ropepool.backends import triton_launch
 
     call(rng, "bfloat16", 5, 8, 2, 64)  # compiles this layout's kernel (or finds it)
     slow, seen = [], []
-    launch = triton_op._Launch.launch
-    monkeypatch.setattr(triton_op._Launch, "launch", lambda self, *a: slow.append(1) or launch(self, *a))
+    launch = triton_launch.Launch.launch
+    monkeypatch.setattr(triton_launch.Launch, "launch", lambda self, *a: slow.append(1) or launch(self, *a))
     call(rng, "bfloat16", 5, 8, 2, 64)
     assert not slow, "a repeated decode call did not take the direct launch"
     chain = triton.knobs.runtime.launch_enter_hook

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..dtypes import FRAMEWORK_TYPES
+from ..checks.dtypes import FRAMEWORK_TYPES
 from ..errors import RopePoolError
 
 # Every feature a plan may use (plan.build): the rotation's, the stores' (stores.feature) and the torch call's.

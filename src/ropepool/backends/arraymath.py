@@ -8,7 +8,7 @@ scaling) and the norm. Everything is float32 until the one cast at the end.
 """
 from __future__ import annotations
 
-from ..spec import Rotation
+from ..rotation.spec import Rotation
 
 _CONSTANTS: dict = {}
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..layout import page_and_row, row_ids
+from ..checks.layout import page_and_row, row_ids
 from . import arraymath, blockquant, paths
 
 COMPILE_MAX_TOKENS = 64

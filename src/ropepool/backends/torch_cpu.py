@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import page_and_row, paged_view
-from ..values import STEP
+from ..checks.layout import page_and_row, paged_view
+from ..checks.values import STEP
 from . import arraymath, paths, torch_cpu_compiled
 from .torch_arrays import TorchOps, extras
 

@@ -8,7 +8,7 @@ views.
 """
 from __future__ import annotations
 
-from ..layout import page_and_row, paged_view
+from ..checks.layout import page_and_row, paged_view
 from . import arraymath, blockquant
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 

@@ -39,7 +39,8 @@ BENCH = ROOT / "docs" / "bench"
 # commit touching one of these makes older rows stale. (The shared host path, api/plan/validate, is
 # left out on purpose: its commits are mostly messages and docstrings, and would mark every row.)
 CODE_PATHS = {
-    "gpu": ["src/ropepool/backends/triton_kernel.py", "src/ropepool/backends/triton_op.py"],
+    "gpu": ["src/ropepool/backends/triton_kernel.py", "src/ropepool/backends/triton_op.py",
+            "src/ropepool/backends/triton_launch.py"],
     "cpu": ["src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py"],
     "mlx": ["src/ropepool/backends/mlx.py"],
 }

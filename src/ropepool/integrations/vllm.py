@@ -26,7 +26,7 @@ import torch
 
 from ..api import rope_pool_fused
 from ..errors import RopePoolError
-from ..spec import CosSinCache
+from ..rotation.spec import CosSinCache
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from ..errors import RopePoolError
-from ..norm import QKNorm
+from ..rotation.norm import QKNorm
 from .vllm import rope_and_cache
 
 log = logging.getLogger(__name__)

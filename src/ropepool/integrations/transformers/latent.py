@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ...api import rope_latent_fused
 from ...errors import RopePoolError
-from ...spec import RopeSpec
+from ...rotation.spec import RopeSpec
 
 FAMILIES = ("deepseek_v3",)
 

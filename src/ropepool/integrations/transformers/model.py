@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import RopePoolError
-from ...norm import QKNorm
-from ...spec import RopeSpec
+from ...rotation.norm import QKNorm
+from ...rotation.spec import RopeSpec
 from . import latent
 
 # The model types hosted, verified on transformers 5.17 and 5.25 by tests/test_integration.py. Their

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checks.values import STEP
 from ...errors import RopePoolError
-from ...values import STEP
 
 
 @dataclass(frozen=True)

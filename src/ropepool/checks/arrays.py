@@ -6,22 +6,22 @@ import numbers
 
 import numpy as np
 
+from ..errors import RopePoolError
 from .dtypes import framework_of
-from .errors import RopePoolError
 
 
-def _shape(x) -> list:
+def shape_of(x) -> list:
     return list(x.shape)
 
 
-def _is_int(val) -> bool:
+def is_int(val) -> bool:
     return isinstance(val, numbers.Integral) and not isinstance(val, (bool, np.bool_))
 
 
-def _ints(**values):
+def check_ints(**values):
     out = []
     for name, val in values.items():
-        if not _is_int(val):
+        if not is_int(val):
             raise TypeError(f"{name} must be an int; got {type(val).__name__} {val!r}. Fix: pass an int.")
         if val <= 0:
             raise RopePoolError(f"{name} must be positive; got {val}. Fix: pass the model's value.")
@@ -29,30 +29,30 @@ def _ints(**values):
     return out
 
 
-def _reshape(fw) -> str:
+def reshape_word(fw) -> str:
     """The call that reshapes without a copy, in the framework's words."""
     return "view" if fw == "torch" else "reshape"
 
 
-def _as_float32(fw, name) -> str:
+def as_float32(fw, name) -> str:
     """The cast of ``name`` to float32, in the framework's words."""
     return {"torch": f"{name}.float()", "mlx": f"{name}.astype(mx.float32)"}.get(fw, f"{name}.astype(np.float32)")
 
 
-def _convert_hint(arrays, frameworks) -> str:
+def convert_hint(arrays, frameworks) -> str:
     """How to make an array of the call's framework: the one its other arrays come from, else each accepted
     framework installed here (an MLX user without torch is not told to use torch)."""
     hints = {"torch": "torch.as_tensor(x)", "mlx": "mx.array(x)", "numpy": "np.asarray(x)"}
-    used = [f for f in map(framework_of, arrays) if f in frameworks][:1] or _installed(frameworks)
+    used = [f for f in map(framework_of, arrays) if f in frameworks][:1] or installed_frameworks(frameworks)
     return " or ".join(hints[f] for f in used)
 
 
-def _installed(frameworks) -> list:
+def installed_frameworks(frameworks) -> list:
     """Those of ``frameworks`` installed here (all of them if none is)."""
     return [f for f in frameworks if importlib.util.find_spec(f) is not None] or list(frameworks)
 
 
-def _same_place(name, x, q):
+def same_place(name, x, q):
     """``x`` (a norm weight, a table, a scale) must be an array of q's framework and device."""
     if framework_of(x) != framework_of(q) or getattr(x, "device", None) != getattr(q, "device", None):
         where = f" on {x.device}" if hasattr(x, "device") else ""
@@ -61,7 +61,7 @@ def _same_place(name, x, q):
                         f"(.to(q.device)), or pass a float where one is accepted.")
 
 
-def _check_strides(**tensors):
+def check_strides(**tensors):
     for name, x in tensors.items():
         if x.stride(-1) != 1 and x.shape[-1] > 1 and x.numel():  # an empty tensor's strides mean nothing
             fix = (f"{name}.contiguous() (it is only read)" if name == "positions" or x.ndim == 1 else

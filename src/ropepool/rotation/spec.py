@@ -17,10 +17,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .checks import _as_float32
-from .dtypes import FLOAT_DTYPES, dtype_name, framework_of
-from .errors import RopePoolError
-from .scaling import ROPE_TYPES, _longrope_inv_freq, _original_max
+from ..checks.arrays import as_float32
+from ..checks.dtypes import FLOAT_DTYPES, dtype_name, framework_of
+from ..errors import RopePoolError
+from .scaling import ROPE_TYPES, longrope_inv_freq, original_max
 
 STYLES = ("neox", "gptj")
 
@@ -194,12 +194,13 @@ class RopeSpec:
         object.__setattr__(self, "inv_freq", np.asarray(inv_freq, dtype=np.float64))
         object.__setattr__(self, "attention_scaling", float(attention_scaling))
         if rope_type == "longrope" and self.seq_len is None and rotary_dim:
-            object.__setattr__(self, "long_inv_freq", _longrope_inv_freq(self, scaling, "long_factor"))
-            object.__setattr__(self, "long_from", int(_original_max(self, scaling, "longrope")))
+            object.__setattr__(self, "long_inv_freq", longrope_inv_freq(self, scaling, "long_factor"))
+            object.__setattr__(self, "long_from", int(original_max(self, scaling, "longrope")))
         sets = [self.inv_freq] + ([] if self.long_inv_freq is None else [self.long_inv_freq])
         object.__setattr__(self, "rotation", Rotation(
-            rotary_dim, self.style == "gptj", self.attention_scaling, np.stack(sets).astype(np.float32),
-            self.long_from, None, section, self.mrope_interleaved))
+            rotary_dim=rotary_dim, gptj=self.style == "gptj", attention_scaling=self.attention_scaling,
+            freqs=np.stack(sets).astype(np.float32), long_from=self.long_from, mrope_section=section,
+            mrope_interleaved=self.mrope_interleaved))
         object.__setattr__(self, "key", (
             head_dim, rotary_dim, self.base, self.style, _freeze(scaling),
             self.max_position_embeddings, self.seq_len, section, self.mrope_interleaved,
@@ -244,7 +245,7 @@ class TableKey(tuple):
 
 class ScaleKey(tuple):
     """The per-token-head scale caches in a layout cache's key: (id of k_scale_cache, id of v_scale_cache).
-    Like TableKey, the key holds ids, not the arrays; plan.py drops it when either is freed."""
+    Like TableKey, the key holds ids, not the arrays; plan/cache.py drops it when either is freed."""
 
     __slots__ = ()
 
@@ -281,7 +282,7 @@ class CosSinCache:
                                 "half), e.g. vLLM's rotary_emb.cos_sin_cache.")
         if dtype_name(cos_sin_cache) not in FLOAT_DTYPES:
             raise RopePoolError(f"CosSinCache expects a float32, float16 or bfloat16 table; got "
-                                f"{dtype_name(cos_sin_cache)}. Fix: {_as_float32(fw, 'cos_sin_cache')}.")
+                                f"{dtype_name(cos_sin_cache)}. Fix: {as_float32(fw, 'cos_sin_cache')}.")
         if fw == "torch" and cos_sin_cache.stride(-1) != 1:
             raise RopePoolError(f"CosSinCache expects a table whose last dim is contiguous; got strides "
                                 f"{list(cos_sin_cache.stride())}. Fix: cos_sin_cache.contiguous().")
@@ -290,11 +291,12 @@ class CosSinCache:
         self.max_position, self.rotary_dim = shape
         section = _check_mrope("CosSinCache", mrope_section, mrope_interleaved, self.rotary_dim)
         self.mrope_section, self.mrope_interleaved = section, bool(mrope_interleaved)
-        self.rotation = Rotation(self.rotary_dim, not self.is_neox, 1.0, None, None, weakref.ref(cos_sin_cache),
-                                 section, self.mrope_interleaved)
+        self.rotation = Rotation(rotary_dim=self.rotary_dim, gptj=not self.is_neox,
+                                 table_ref=weakref.ref(cos_sin_cache), mrope_section=section,
+                                 mrope_interleaved=self.mrope_interleaved)
         # Equal to every CosSinCache over the same table object with the same pairs: a new one made per
         # call finds the layouts ropepool remembered for the last. The layout cache's keys hold this key,
-        # not the object (plan.py: a key goes when its table is freed, before the id can be reused).
+        # not the object (plan/cache.py: a key goes when its table is freed, before the id can be reused).
         self.key = TableKey((id(cos_sin_cache), self.is_neox, section, self.mrope_interleaved))
         self._hash = hash(self.key)
 

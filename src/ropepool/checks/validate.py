@@ -15,23 +15,23 @@ import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
-from . import backends
-from .block_checks import check_block_pools, first_array, is_block_pool
-from .checks import _check_strides, _convert_hint, _installed, _ints, _reshape, _same_place, _shape
+from .. import backends
+from ..errors import RopePoolError
+from ..plan.stores import PLAIN, Store, Stores
+from ..rotation.norm import QKNorm
+from ..rotation.spec import CosSinCache, RopeSpec, Rotation
+from .arrays import check_ints, check_strides, convert_hint, installed_frameworks, reshape_word, same_place, shape_of
+from .blocks import check_block_pools, first_array, is_block_pool
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, QMAX, dtype_name, framework_of, tracing
-from .errors import RopePoolError
 from .layout import PoolGeometry
-from .norm import QKNorm
-from .pool_checks import (
-    _check_distinct_pools,
-    _check_pool_dtypes,
-    _check_pool_scales,
-    _check_pools,
-    _check_scale,
-    _check_scale_caches,
+from .pools import (
+    check_distinct_pools,
+    check_pool_dtypes,
+    check_pool_scales,
+    check_pools,
+    check_scale,
+    check_scale_caches,
 )
-from .spec import CosSinCache, RopeSpec, Rotation
-from .stores import PLAIN, Store, Stores
 from .values import check_values
 
 _ARRAYS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool")
@@ -53,9 +53,9 @@ class Call:
     rotation: Rotation
     position_rows: int  # 3 for [3, num_tokens] MRoPE positions
     norm: QKNorm | None
-    # How each destination stores its rows (stores.py): formats, bounds, scales. Per-token-head scale caches
+    # How each destination stores its rows (plan/stores.py): formats, bounds, scales. Per-token-head scale caches
     # are held weakly (Store.scale_ref): a remembered runner must not keep the caller's caches alive
-    # (plan.py drops its keys when they are freed).
+    # (plan/cache.py drops its keys when they are freed).
     stores: Stores
     host_values: bool  # slot and position values are checked on every call (no device sync)
     latent: bool = False  # rope_latent_fused: k_pe may be [T, rope_dim]
@@ -88,13 +88,13 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
           frameworks=("torch", "mlx")) -> Call:
     """Check a rope_pool_fused call in full (raising on bad input) and describe it."""
     op = "rope_pool_fused"
-    # A block-quantized pool (a tuple) is typed by its first array here; block_checks checks the others.
+    # A block-quantized pool (a tuple) is typed by its first array here; checks/blocks.py checks the others.
     kp, vp = first_array(k_pool), first_array(v_pool)
     fw = _check_types(op, _ARRAYS, (q, k, v, positions, slots, kp, vp), frameworks)
     if fw == "torch":
         _check_devices(op, ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_out", "k_out"),
                        (q, k, v, positions, slots, kp, vp, q_out, k_out))
-    head_dim, num_qo_heads, num_kv_heads = _ints(head_dim=head_dim, num_qo_heads=num_qo_heads,
+    head_dim, num_qo_heads, num_kv_heads = check_ints(head_dim=head_dim, num_qo_heads=num_qo_heads,
                                                  num_kv_heads=num_kv_heads)
     if head_dim % 2:
         raise RopePoolError(f"head_dim must be even (RoPE rotates pairs); got {head_dim}. "
@@ -102,21 +102,21 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
     rotation = _resolve_rope(rope, rope_base, head_dim, q)
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise RopePoolError(
-            f"rope_pool_fused expects q/k/v to be 3-D; got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}. "
-            f"Fix: reshape to [num_tokens, num_heads, head_dim], e.g. q.{_reshape(fw)}(num_tokens, num_qo_heads, "
+            f"rope_pool_fused expects q/k/v to be 3-D; got q {shape_of(q)}, k {shape_of(k)}, v {shape_of(v)}. "
+            f"Fix: reshape to [num_tokens, num_heads, head_dim], e.g. q.{reshape_word(fw)}(num_tokens, num_qo_heads, "
             "head_dim).")
     T = q.shape[0]
     rows = _check_positions(op, positions, slots, T, rotation)
     if tuple(q.shape) != (T, num_qo_heads, head_dim):
         raise RopePoolError(
             f"q shape must be [num_tokens, num_qo_heads, head_dim] = [{T}, {num_qo_heads}, {head_dim}], "
-            f"got {_shape(q)}. Fix: check num_qo_heads and head_dim (per tensor-parallel rank).")
+            f"got {shape_of(q)}. Fix: check num_qo_heads and head_dim (per tensor-parallel rank).")
     if tuple(k.shape) != (T, num_kv_heads, head_dim):
         raise RopePoolError(
             f"k shape must be [num_tokens, num_kv_heads, head_dim] = [{T}, {num_kv_heads}, {head_dim}], "
-            f"got {_shape(k)}. Fix: check num_kv_heads and that k has as many tokens as q.")
+            f"got {shape_of(k)}. Fix: check num_kv_heads and that k has as many tokens as q.")
     if tuple(v.shape) != tuple(k.shape):
-        raise RopePoolError(f"v shape must match k shape, got {_shape(v)} vs {_shape(k)}. "
+        raise RopePoolError(f"v shape must match k shape, got {shape_of(v)} vs {shape_of(k)}. "
                             "Fix: pass the values of the same tokens and heads as k.")
     dt = _check_dtypes(fw, ("q", "k", "v"), (q, k, v), positions, slots)
     caches = (k_scale_cache, v_scale_cache)
@@ -130,17 +130,17 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
         pools = check_block_pools(("k_pool", "v_pool"), k_pool, v_pool, head_dim, q, fw, (k_scale, v_scale))
         k_pool, v_pool = k_pool[0], v_pool[0]  # the layout is the first array's; the others were checked alike
     width = head_dim if pools is None else k_pool.shape[-1]
-    pool = _check_pools(op, ("k_pool", "v_pool"), k_pool, v_pool, layer, kv_layout, num_kv_heads, width, width, fw)
+    pool = check_pools(op, ("k_pool", "v_pool"), k_pool, v_pool, layer, kv_layout, num_kv_heads, width, width, fw)
     if pth:
         backends.refuse(fw, "pool.per_token_head")
-    fp8 = None if pools else _check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw,
+    fp8 = None if pools else check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw,
                                                 pth if backends.takes(fw, "pool.per_token_head") else None)
     if pth:
-        caches = _check_scale_caches(("k_scale_cache", "v_scale_cache"), caches, fp8, (k_pool, v_pool), q,
+        caches = check_scale_caches(("k_scale_cache", "v_scale_cache"), caches, fp8, (k_pool, v_pool), q,
                                      (k_scale, v_scale), fw)
         pools = (_store(fp8, cache=caches[0]), _store(fp8, cache=caches[1]))
     elif pools is None:  # (a block pool's global scales were checked with it)
-        k_scale, v_scale = _check_pool_scales(("k_scale", "v_scale"), (k_scale, v_scale), fp8, k_pool, q,
+        k_scale, v_scale = check_pool_scales(("k_scale", "v_scale"), (k_scale, v_scale), fp8, k_pool, q,
                                               num_kv_heads)
         pools = (_store(fp8, k_scale), _store(fp8, v_scale))
     norm = _check_norm(qk_norm, q, head_dim)
@@ -148,8 +148,8 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
         # positions/slots too: the kernel reads them as flat int arrays. Pools may have a strided head dim
         # (vLLM's CPU key cache seen through a transpose): the torch path writes through any view, the
         # Triton backend refuses one (triton_op.Prepared.bind).
-        _check_strides(q=q, k=k, v=v, positions=positions, slots=slots)
-        _check_distinct_pools(("k_pool", "v_pool"), k_pool, v_pool)
+        check_strides(q=q, k=k, v=v, positions=positions, slots=slots)
+        check_distinct_pools(("k_pool", "v_pool"), k_pool, v_pool)
         outs = (_store(*_check_out("q_out", q_out, q, "q_scale", q_scale)),
                 _store(*_check_out("k_out", k_out, k, "k_out_scale", k_out_scale)))
     else:  # outputs are written in place: the backends of other frameworks may not take them (their rows say)
@@ -182,15 +182,15 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
     if q_pe.ndim != 3 or k_pe.ndim not in (2, 3) or kv_c.ndim != 2:
         raise RopePoolError(
             f"rope_latent_fused expects q_pe [T, num_heads, rope_dim], k_pe [T, rope_dim] and kv_c [T, kv_lora_rank]; "
-            f"got q_pe {_shape(q_pe)}, k_pe {_shape(k_pe)}, kv_c {_shape(kv_c)}. Fix: pass the rope parts of q and "
-            "the latent after its norm, one row per token.")
+            f"got q_pe {shape_of(q_pe)}, k_pe {shape_of(k_pe)}, kv_c {shape_of(kv_c)}. Fix: pass the rope parts of q "
+            "and the latent after its norm, one row per token.")
     T, heads, rope_dim = q_pe.shape
     kv_lora_rank = kv_c.shape[1]
     if tuple(k_pe.shape) not in ((T, rope_dim), (T, 1, rope_dim)) or kv_c.shape[0] != T:
         raise RopePoolError(
             f"rope_latent_fused expects k_pe [{T}, {rope_dim}] (or [{T}, 1, {rope_dim}]) and kv_c [{T}, kv_lora_rank] "
-            f"for q_pe {_shape(q_pe)}; got k_pe {_shape(k_pe)}, kv_c {_shape(kv_c)}. Fix: one shared k_pe head and "
-            "one latent row per token of q_pe.")
+            f"for q_pe {shape_of(q_pe)}; got k_pe {shape_of(k_pe)}, kv_c {shape_of(kv_c)}. Fix: one shared k_pe head "
+            "and one latent row per token of q_pe.")
     rotation = _resolve_rope(rope, 10000.0, rope_dim, q_pe)
     if rotation.rotary_dim != rope_dim:
         raise RopePoolError(f"rope_latent_fused rotates the whole rope_dim ({rope_dim}); got a rope with rotary_dim "
@@ -198,14 +198,14 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
                             "qk_rope_head_dim.")
     rows = _check_positions(op, positions, slots, T, rotation)
     dt = _check_dtypes(fw, ("q_pe", "k_pe", "kv_c"), (q_pe, k_pe, kv_c), positions, slots)
-    pool = _check_pools(op, ("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, layer, kv_layout, 1, rope_dim,
+    pool = check_pools(op, ("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, layer, kv_layout, 1, rope_dim,
                         kv_lora_rank, fw, headed=False)
-    fp8 = _check_pool_dtypes(("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, dt, fw)
-    (scale,) = _check_pool_scales(("scale",), (scale,), fp8, kpe_cache, q_pe, None)
+    fp8 = check_pool_dtypes(("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, dt, fw)
+    (scale,) = check_pool_scales(("scale",), (scale,), fp8, kpe_cache, q_pe, None)
     if fw == "torch":
-        _check_strides(q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, positions=positions, slots=slots, ckv_cache=ckv_cache,
+        check_strides(q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, positions=positions, slots=slots, ckv_cache=ckv_cache,
                        kpe_cache=kpe_cache)
-        _check_distinct_pools(("ckv_cache", "kpe_cache"), ckv_cache, kpe_cache)
+        check_distinct_pools(("ckv_cache", "kpe_cache"), ckv_cache, kpe_cache)
         _check_out("q_pe_out", q_pe_out, q_pe, None, None)
     elif q_pe_out is not None:
         backends.refuse(fw, "out", names="q_pe_out")
@@ -226,9 +226,9 @@ def _check_types(op, names, arrays, frameworks) -> str:
     for name, x in zip(names, arrays):
         fw = framework_of(x)
         if fw not in frameworks:
-            allowed = " or ".join(FRAMEWORK_TYPES[f] for f in _installed(frameworks))
+            allowed = " or ".join(FRAMEWORK_TYPES[f] for f in installed_frameworks(frameworks))
             given = type(x).__module__ + "." + type(x).__name__ if fw is None else FRAMEWORK_TYPES[fw]
-            hint = _convert_hint(arrays, frameworks)
+            hint = convert_hint(arrays, frameworks)
             raise TypeError(f"{op} expects {name} to be a {allowed}; got {given}. Fix: convert it, e.g. {hint}.")
         if found is None:
             found = (name, fw)
@@ -260,7 +260,7 @@ def _resolve_rope(rope, rope_base, head_dim, q) -> Rotation:
             raise RopePoolError(f"rope_base must be a float > 0; got {rope_base!r}. Fix: pass the model's rope_theta.")
         return default_spec(head_dim, float(rope_base)).rotation
     if isinstance(rope, CosSinCache):
-        _same_place("rope.cos_sin_cache", rope.cos_sin_cache, q)
+        same_place("rope.cos_sin_cache", rope.cos_sin_cache, q)
         if rope.rotary_dim > head_dim:
             raise RopePoolError(f"rope.cos_sin_cache must be at most head_dim ({head_dim}) wide; got rotary_dim "
                                 f"{rope.rotary_dim}. Fix: pass the table of this layer's rotary embedding.")
@@ -285,12 +285,12 @@ def _check_positions(op, positions, slots, T, rotation) -> int:
                "slots [num_tokens], positions [num_tokens] or [3, num_tokens]")
         if positions.ndim == 2 and not mrope:
             fix += "; [3, num_tokens] MRoPE positions need a spec with mrope_section"
-        raise RopePoolError(f"{op} expects positions/slots to be 1-D; got positions {_shape(positions)}, slots "
-                            f"{_shape(slots)}. Fix: {fix}.")
+        raise RopePoolError(f"{op} expects positions/slots to be 1-D; got positions {shape_of(positions)}, slots "
+                            f"{shape_of(slots)}. Fix: {fix}.")
     rows = positions.shape[0] if positions.ndim == 2 else 1
     if positions.shape[-1] != T or slots.shape[0] != T or rows not in (1, 3):
         raise RopePoolError(f"positions/slots must have one entry per token ({T}); got positions "
-                            f"{_shape(positions)}, slots {_shape(slots)}. Fix: one position (MRoPE: [3, {T}]) "
+                            f"{shape_of(positions)}, slots {shape_of(slots)}. Fix: one position (MRoPE: [3, {T}]) "
                             "and one slot per row of q.")
     return rows
 
@@ -323,7 +323,7 @@ def _check_norm(norm, q, head_dim):
     for name, w in (("qk_norm.q_weight", norm.q_weight), ("qk_norm.k_weight", norm.k_weight)):
         if w is None:
             continue
-        _same_place(name, w, q)
+        same_place(name, w, q)
         if w.shape[0] != head_dim:
             raise RopePoolError(f"{name} must have head_dim ({head_dim}) entries; got {w.shape[0]}. Fix: pass "
                                 "the per-head norm of this layer (weights over all heads are another op).")
@@ -335,10 +335,10 @@ def _check_out(name, out, like, scale_name, scale):
     fp8 = None if out is None or dtype_name(out) not in FP8_DTYPES else dtype_name(out)
     if out is not None:
         if tuple(out.shape) != tuple(like.shape) or (out.dtype != like.dtype and not (fp8 and scale_name)):
-            raise RopePoolError(f"{name} must have the shape and dtype of {name[:-4]}: {_shape(like)} "
-                                f"{dtype_name(like)}; got {_shape(out)} {dtype_name(out)}. "
+            raise RopePoolError(f"{name} must have the shape and dtype of {name[:-4]}: {shape_of(like)} "
+                                f"{dtype_name(like)}; got {shape_of(out)} {dtype_name(out)}. "
                                 f"Fix: torch.empty_like({name[:-4]}) or {name[:-4]} itself.")
-        _check_strides(**{name: out})
+        check_strides(**{name: out})
     if fp8 and scale is None:
         raise RopePoolError(f"a {fp8} {name} needs {scale_name}= (it stores {name[0]}_rot / {scale_name}); got no "
                             f"{scale_name}. Fix: pass the attention's {name[0]} scale (1.0 if it has none).")
@@ -346,7 +346,7 @@ def _check_out(name, out, like, scale_name, scale):
         raise RopePoolError(f"{scale_name} is for a float8 {name}; got {scale_name} with "
                             f"{'no ' + name if out is None else 'a ' + dtype_name(out) + ' ' + name}. "
                             f"Fix: drop {scale_name}, or pass {name} as a float8_e4m3fn / float8_e5m2 tensor.")
-    return fp8, (None if scale is None else _check_scale(scale_name, scale, like, None))
+    return fp8, (None if scale is None else check_scale(scale_name, scale, like, None))
 
 
 # --- values ------------------------------------------------------------------------------------

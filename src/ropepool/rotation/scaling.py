@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from .errors import RopePoolError
+from ..errors import RopePoolError
 
 if TYPE_CHECKING:
     from .spec import RopeSpec
@@ -46,7 +46,7 @@ def _positive(params: Mapping[str, Any], key: str, rope_type: str, unless: str =
     return float(value)
 
 
-def _original_max(spec: "RopeSpec", params: Mapping[str, Any], rope_type: str) -> float:
+def original_max(spec: "RopeSpec", params: Mapping[str, Any], rope_type: str) -> float:
     # transformers fills a missing original_max_position_embeddings with max_position_embeddings
     key = "original_max_position_embeddings"
     if params.get(key) is None and spec.max_position_embeddings is not None:
@@ -94,7 +94,7 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def _yarn(spec: "RopeSpec", params: Mapping[str, Any]):
-    original = _original_max(spec, params, "yarn")
+    original = original_max(spec, params, "yarn")
     factor = _factor_or_ratio(spec, params, "yarn", original)
     dim, base = spec.rotary_dim, spec.base
     if params.get("attention_factor") is not None:
@@ -123,7 +123,7 @@ def _yarn(spec: "RopeSpec", params: Mapping[str, Any]):
     return inv_freq * (1 - ramp) + inv_freq / factor * ramp, attention
 
 
-def _longrope_inv_freq(spec: "RopeSpec", params: Mapping[str, Any], key: str) -> np.ndarray:
+def longrope_inv_freq(spec: "RopeSpec", params: Mapping[str, Any], key: str) -> np.ndarray:
     n = spec.rotary_dim // 2
     value = _required(params, key, "longrope")
     if np.ndim(value) != 1 or len(value) != n:
@@ -142,10 +142,10 @@ def _longrope_inv_freq(spec: "RopeSpec", params: Mapping[str, Any], key: str) ->
 
 
 def _longrope(spec: "RopeSpec", params: Mapping[str, Any]):
-    original = _original_max(spec, params, "longrope")
+    original = original_max(spec, params, "longrope")
     factor = _factor_or_ratio(spec, params, "longrope", original)
-    short = _longrope_inv_freq(spec, params, "short_factor")
-    long = _longrope_inv_freq(spec, params, "long_factor")
+    short = longrope_inv_freq(spec, params, "short_factor")
+    long = longrope_inv_freq(spec, params, "long_factor")
     if params.get("attention_factor") is not None:
         attention = _positive(params, "attention_factor", "longrope")
     elif factor <= 1:
@@ -165,7 +165,7 @@ def _llama3(spec: "RopeSpec", params: Mapping[str, Any]):
             f"RopeSpec.scaling['high_freq_factor'] must be at least low_freq_factor={low}; got {high}. "
             "Fix: copy both from the model's config (Llama 3.1: low 1, high 4)."
         )
-    original = _original_max(spec, params, "llama3")
+    original = original_max(spec, params, "llama3")
     inv_freq = _default_inv_freq(spec.base, spec.rotary_dim)
     # 0 where the wavelength exceeds original/low (divide by factor), 1 where it is below
     # original/high (keep), linear in original/wavelength between: transformers' three bands.

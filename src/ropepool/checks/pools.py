@@ -10,9 +10,9 @@ import numbers
 
 import numpy as np
 
-from .checks import _as_float32, _is_int, _reshape, _same_place, _shape
+from ..errors import RopePoolError
+from .arrays import as_float32, is_int, reshape_word, same_place, shape_of
 from .dtypes import FP8_DTYPES, FRAMEWORK_TYPES, MLX_FP8, dtype_name, framework_of, tracing
-from .errors import RopePoolError
 from .layout import KV_LAYOUTS, PoolGeometry, pool_geometry, pool_rank
 
 
@@ -24,7 +24,7 @@ def _pool_fix(fw, name, pool, heads, dim) -> str:
         return (f"pass layer=<index> or index the layer dimension first ({name}[layer]) for a layer-stacked "
                 "[num_layers, pool_size, num_kv_heads, head_dim] pool, or kv_layout='NHD'/'HND' for a paged pool")
     if pool.ndim == 2 and shape[1] == heads * dim:
-        return f"reshape to [pool_size, num_kv_heads, head_dim]: {name}.{_reshape(fw)}(-1, {heads}, {dim})"
+        return f"reshape to [pool_size, num_kv_heads, head_dim]: {name}.{reshape_word(fw)}(-1, {heads}, {dim})"
     if pool.ndim == 5:
         return "pass layer=<index> and kv_layout='NHD' or 'HND' for a layer-stacked paged pool"
     return "pass a [pool_size, num_kv_heads, head_dim] pool"
@@ -38,9 +38,9 @@ def _each(names, describe) -> str:
     return " and ".join(f"{n} {d}" for n, d in zip(names, said))
 
 
-def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim, fw, headed=True) -> PoolGeometry:
+def check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim, fw, headed=True) -> PoolGeometry:
     """Geometry of the pools (k_pool's; v_pool has the same but rows v_dim wide)."""
-    if layer is not None and not _is_int(layer):
+    if layer is not None and not is_int(layer):
         raise TypeError(f"layer must be an int; got {type(layer).__name__}. Fix: pass the layer index.")
     if kv_layout is not None and kv_layout not in KV_LAYOUTS:
         raise RopePoolError(f"kv_layout must be None, 'NHD' or 'HND'; got {kv_layout!r}. "
@@ -52,7 +52,7 @@ def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim,
     if wrong:
         # Name every pool of the wrong rank (the fix is for the first one; a second of its shape needs the same).
         name, pool = wrong[0], pools[wrong[0]]
-        got = _each(wrong, lambda n: f"of shape {_shape(pools[n])} ({pools[n].ndim}-D)")
+        got = _each(wrong, lambda n: f"of shape {shape_of(pools[n])} ({pools[n].ndim}-D)")
         likewise = f" (likewise {wrong[1]})" if len(wrong) == 2 else ""
         if kv_layout is None and layer is None and headed:
             raise RopePoolError(f"rope_pool_fused expects pool tensors to be 3-D; got {got}. "
@@ -80,18 +80,18 @@ def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim,
             expect = expect.replace("num_kv_heads, ", "").replace("head_dim", "rope_dim")
         also = ""
         if v_bad and headed:
-            also = (" (v_pool too, of the same shape)" if _shape(v_pool) == _shape(k_pool) else
-                    f" (v_pool's shape {_shape(v_pool)} does not fit either)")
+            also = (" (v_pool too, of the same shape)" if shape_of(v_pool) == shape_of(k_pool) else
+                    f" (v_pool's shape {shape_of(v_pool)} does not fit either)")
         raise RopePoolError(
-            f"{names[0]} has incompatible shape {_shape(k_pool)}: expected {expect} with num_kv_heads={heads}, "
+            f"{names[0]} has incompatible shape {shape_of(k_pool)}: expected {expect} with num_kv_heads={heads}, "
             f"head_dim={dim}{also}. Fix: pass the pool of this layer's KV heads (or the matching kv_layout).")
     if v_bad or (k_geom.num_layers, k_geom.num_pages, k_geom.page_size) != \
             (v_geom.num_layers, v_geom.num_pages, v_geom.page_size):
         if headed:  # k_pool fits, so the shapes differ
-            raise RopePoolError(f"v_pool shape must match k_pool shape, got v_pool {_shape(v_pool)} vs k_pool "
-                                f"{_shape(k_pool)}. Fix: pass K and V pools of one cache.")
+            raise RopePoolError(f"v_pool shape must match k_pool shape, got v_pool {shape_of(v_pool)} vs k_pool "
+                                f"{shape_of(k_pool)}. Fix: pass K and V pools of one cache.")
         raise RopePoolError(f"ckv_cache must have kpe_cache's slots and kv_lora_rank ({v_dim}) features; got "
-                            f"ckv_cache {_shape(v_pool)}, kpe_cache {_shape(k_pool)}. Fix: pass the two column "
+                            f"ckv_cache {shape_of(v_pool)}, kpe_cache {shape_of(k_pool)}. Fix: pass the two column "
                             "views of one latent cache (cache[..., :kv_lora_rank], cache[..., kv_lora_rank:]).")
     if layer is not None:
         n = k_geom.num_layers
@@ -102,7 +102,7 @@ def _check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim,
     return k_geom
 
 
-def _check_pool_dtypes(names, k_pool, v_pool, dt, fw, per_token_head=None) -> str | None:
+def check_pool_dtypes(names, k_pool, v_pool, dt, fw, per_token_head=None) -> str | None:
     """The pools' quantized format (fp8, or int8 with per-token-head scales), or None when they hold q's dtype.
 
     ``per_token_head``: whether scale caches were given; None where the call cannot take them."""
@@ -127,7 +127,7 @@ def _check_pool_dtypes(names, k_pool, v_pool, dt, fw, per_token_head=None) -> st
     return fp8_names.get(dtype_name(k_pool)) if dtype_name(k_pool) != dt else None
 
 
-def _check_pool_scales(names, scales, fp8, pool, q, per_head):
+def check_pool_scales(names, scales, fp8, pool, q, per_head):
     if fp8 is None:
         given = [n for n, s in zip(names, scales) if s is not None]
         if given:
@@ -140,10 +140,10 @@ def _check_pool_scales(names, scales, fp8, pool, q, per_head):
         raise RopePoolError(f"a {fp8} pool needs {' and '.join(n + '=' for n in names)} (stored value = value / "
                             f"scale); got no {' and '.join(missing)}. Fix: pass the cache's scales (1.0 if it "
                             "has none).")
-    return tuple(_check_scale(n, s, q, per_head) for n, s in zip(names, scales))
+    return tuple(check_scale(n, s, q, per_head) for n, s in zip(names, scales))
 
 
-def _check_scale(name, s, q, per_head):
+def check_scale(name, s, q, per_head):
     """A float > 0, or a float32 array of q's framework and device: one element, or [per_head]."""
     if isinstance(s, numbers.Real) and not isinstance(s, (bool, np.bool_)):  # NumPy scalars too
         if not (0 < float(s) < math.inf):
@@ -151,17 +151,17 @@ def _check_scale(name, s, q, per_head):
         return float(s)
     shapes = ((), (1,)) + (((per_head,),) if per_head else ())
     if framework_of(s) is None or tuple(s.shape) not in shapes:
-        given = type(s).__name__ if framework_of(s) is None else f"shape {_shape(s)}"
+        given = type(s).__name__ if framework_of(s) is None else f"shape {shape_of(s)}"
         if per_head:
             raise TypeError(f"{name} must be a float, a one-element float32 tensor or one per KV head "
                             f"([{per_head}]); got {given}. Fix: pass float(scale) or a tensor of shape [1] or "
                             f"[{per_head}].")
         raise TypeError(f"{name} must be a float or a one-element float32 tensor; got {given}. "
                         "Fix: pass float(scale) or a tensor of shape [1].")
-    _same_place(name, s, q)
+    same_place(name, s, q)
     if dtype_name(s) != "float32":
         raise RopePoolError(f"{name} as a tensor must be float32; got {dtype_name(s)}. "
-                            f"Fix: {_as_float32(framework_of(s), name)}.")
+                            f"Fix: {as_float32(framework_of(s), name)}.")
     # On the CPU the value costs no device sync: check it like a float's.
     if framework_of(s) == "numpy" or (framework_of(s) == "torch" and s.device.type == "cpu" and not tracing("torch")):
         vals = np.asarray(s, dtype=np.float64).reshape(-1)
@@ -171,7 +171,7 @@ def _check_scale(name, s, q, per_head):
     return s
 
 
-def _check_scale_caches(names, caches, fmt, pools, q, scales, fw):
+def check_scale_caches(names, caches, fmt, pools, q, scales, fw):
     """Per-token-head scale caches (vLLM's int8/fp8_per_token_head): float32, each shaped like its pool
     without the last dim, on q's device; only with quantized pools and without static scales."""
     given = [n for n, c in zip(names, caches) if c is not None]
@@ -187,25 +187,25 @@ def _check_scale_caches(names, caches, fmt, pools, q, scales, fw):
                             f"{dtype_name(pools[0])} pool. Fix: drop them, or allocate the pools as int8 / "
                             "float8_e4m3fn / float8_e5m2.")
     for name, cache, pool in zip(names, caches, pools):
-        want = _shape(pool)[:-1]
+        want = shape_of(pool)[:-1]
         if framework_of(cache) != fw:
             raise TypeError(f"{name} must be a float32 {FRAMEWORK_TYPES[fw]} of shape {want} ({name[0]}_pool's "
                             f"shape without its last dim); got {type(cache).__name__}. Fix: torch.empty({want}, "
                             "dtype=torch.float32, device=q.device).")
-        _same_place(name, cache, q)
-        if _shape(cache) != want:
+        same_place(name, cache, q)
+        if shape_of(cache) != want:
             raise RopePoolError(f"{name} must have {name[0]}_pool's shape without its last dim, {want}; got "
-                                f"{_shape(cache)}. Fix: one scale per slot and KV head, laid out like the pool "
+                                f"{shape_of(cache)}. Fix: one scale per slot and KV head, laid out like the pool "
                                 "(vLLM: [num_blocks, block_size, num_kv_heads]; transpose(1, 2) of it for HND).")
         if dtype_name(cache) != "float32":
             raise RopePoolError(f"{name} must be float32; got {dtype_name(cache)}. Fix: allocate it as float32 "
                                 "(vLLM's scale caches are float32).")
     if fw == "torch":
-        _check_distinct_pools(names, *caches)
+        check_distinct_pools(names, *caches)
     return caches
 
 
-def _check_distinct_pools(names, a, b):
+def check_distinct_pools(names, a, b):
     # Meta tensors have no memory (data_ptr() is 0 for all of them); fakes under torch.compile neither.
     if not tracing("torch") and a.numel() and a.device.type != "meta" and a.data_ptr() == b.data_ptr():
         raise RopePoolError(f"{names[0]} and {names[1]} are the same memory. Fix: pass two pools "

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import RopePoolError
+from ..errors import RopePoolError
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import warnings
 
 import numpy as np
 
-from .checks import _ints
+from ..errors import RopePoolError
+from .arrays import check_ints
 from .dtypes import INDEX_DTYPES, dtype_name, framework_of
-from .errors import RopePoolError
 
 _PRECISE_POSITIONS = 2**24  # float32 holds every integer up to here: the precision promise's end
 _FEW = 64  # up to here values are checked as Python ints (16 tokens: 3.5 us, NumPy 17); above, NumPy is faster
@@ -118,7 +118,7 @@ def validate_slots(slots, pool_size: int, positions=None) -> None:
     The CUDA fast path skips this check (it would wait for the GPU) and masks
     out-of-range slots instead; call this where a bad slot is a bug to catch.
     """
-    (pool_size,) = _ints(pool_size=pool_size)
+    (pool_size,) = check_ints(pool_size=pool_size)
     for name, x in (("slots", slots), ("positions", positions)):
         if x is None:
             continue

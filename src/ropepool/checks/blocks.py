@@ -16,12 +16,12 @@ written, naming the part, and returns the two pools' ``stores.Store``.
 """
 from __future__ import annotations
 
-from .checks import _same_place, _shape
+from ..errors import RopePoolError
+from ..plan.stores import Store
+from ..reference_quant import AFFINE_BITS, AFFINE_GROUP_SIZES, E2M1_MAX, NVFP4_BLOCK
+from .arrays import same_place, shape_of
 from .dtypes import FRAMEWORK_TYPES, dtype_name, framework_of
-from .errors import RopePoolError
-from .pool_checks import _check_pool_scales
-from .reference_quant import AFFINE_BITS, AFFINE_GROUP_SIZES, E2M1_MAX, NVFP4_BLOCK
-from .stores import Store
+from .pools import check_pool_scales
 
 PARTS = {"nvfp4": ("data", "block scales"), "affine": ("words", "scales", "biases")}
 
@@ -62,18 +62,18 @@ def check_block_pools(names, k_pool, v_pool, head_dim, q, fw, scales) -> tuple:
             if framework_of(part) != fw:
                 raise TypeError(f"{name}[{i}] must be a {FRAMEWORK_TYPES[fw]} like q; got {type(part).__name__}. "
                                 "Fix: pass the cache's arrays.")
-            _same_place(f"{name}[{i}]", part, q)
+            same_place(f"{name}[{i}]", part, q)
     if len(k_pool) != len(v_pool):
         raise RopePoolError(f"{names[0]} and {names[1]} must be caches of one format; got {len(k_pool)} and "
                             f"{len(v_pool)} arrays. Fix: quantize K and V alike.")
     fmt = _nvfp4(names, pools, head_dim, fw) if len(k_pool) == 2 else _affine(names, pools, head_dim, q)
     for name, parts in pools.items():
         for i, part in enumerate(parts[1:], 1):
-            if _shape(part)[:-1] != _shape(parts[0])[:-1]:
+            if shape_of(part)[:-1] != shape_of(parts[0])[:-1]:
                 raise RopePoolError(f"{name}[{i}] ({PARTS[fmt['format']][i]}) must have {name}[0]'s shape but its last "
-                                    f"dim, {_shape(parts[0])[:-1]}; got {_shape(part)}. Fix: allocate every array "
+                                    f"dim, {shape_of(parts[0])[:-1]}; got {shape_of(part)}. Fix: allocate every array "
                                     "of a cache in the same layout.")
-    scales = _check_pool_scales(("k_scale", "v_scale"), scales, "nvfp4" if fmt["format"] == "nvfp4" else None,
+    scales = check_pool_scales(("k_scale", "v_scale"), scales, "nvfp4" if fmt["format"] == "nvfp4" else None,
                                 k_pool[0], q, None)
     return tuple(Store(scale=s, **fmt) for s in scales)
 

@@ -4,7 +4,7 @@ A call writes four destinations (``DESTINATIONS``): the k pool, the v pool,
 q_out and k_out. Each is described by one ``Store``: its ``format`` (an entry
 of ``FORMATS``), the element it holds, the saturation bound of a quantized
 format and the scale it reads (a float or array, or a per-token-head scale
-cache held weakly). Validation makes the stores (``validate.Call.stores``);
+cache held weakly). Validation makes the stores (``checks.validate.Call.stores``);
 the plan turns each non-plain one into a feature (``"pool.scaled"``,
 ``"q_out.scaled"``, ...) that a backend must declare to be picked
 (``backends.BACKENDS``); the backends read ``store.qmax``, ``store.scale``,
@@ -14,15 +14,15 @@ Adding a cache format (e.g. fp8_ds_mla rows, NVFP4, MLX's affine 4/8-bit):
 
 1. one entry in ``FORMATS`` below (its name and what it means);
 2. validation makes ``Store(format=<name>, ...)`` for pools of that format
-   (pool_checks.py), with the scale arrays it reads as ``scale`` /
+   (checks/pools.py), with the scale arrays it reads as ``scale`` /
    ``scale_ref`` (or, for an array of another meaning, a new name in
    ``plan.EXTRAS``, the one list of the kernels' extra arrays);
 3. the kernel branch in each backend that takes it, and the feature
    ``"pool.<name>"`` in that backend's ``supports`` (backends/__init__.py).
 
-No argument order changes anywhere else: the layout cache, the MLX graph
-cache and the Triton launchers are keyed by ``plan.Plan.key``, which reads
-each store's ``key``.
+No argument order changes anywhere else: the MLX graph cache is keyed by
+``plan.Plan.key``, which reads each store's ``key``, and the Triton kernel's
+variants by the constexprs the launcher derives from the plan's features.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ FORMATS = {
     "scaled": "row / scale, saturated to +-qmax (fp8 pools and outputs; scale a float, one element or one per head)",
     "per_token_head": "row * (1 / s) saturated (int8: truncated), s = max(amax(|row|) / qmax, 1e-6) stored in the "
                       "scale cache at the row's place (vLLM's int8/fp8_per_token_head)",
-    # Block-quantized pools (block_checks.py): the pool is the tuple of the engine's arrays, written alike.
+    # Block-quantized pools (checks/blocks.py): the pool is the tuple of the engine's arrays, written alike.
     "nvfp4": "FlashInfer's NVFP4: e2m1 codes two a byte and an e4m3 scale per block of 16, under the global decode "
              "scale (scale)",
     "affine": "mx.quantize's affine format (mlx-lm's quantized cache): bits-wide codes in uint32 words, a scale and "
