@@ -126,3 +126,28 @@ def test_compiled_one_token(case, rng, monkeypatch):
         for a, b in zip(lane, general):
             assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert not torch_cpu_compiled.failed(), "the compiled one-token step gave up (see the warning)"
+
+
+def test_two_graphs_compile_in_the_background_at_once(rng, monkeypatch):
+    """A one-token call and a 5-token call, each of a layout whose graph starts compiling in the background:
+    the two compiles run one after the other (traced at once in two threads they failed, which turned the
+    compiled path off for the process), and then each layout's calls run their graph."""
+    monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    monkeypatch.setattr(torch_cpu_compiled, "COMPILE_AFTER", 1)
+    monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
+    monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
+
+    def call(T):
+        q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "float32")
+        slots = torch.from_numpy(rng.permutation(P)[:T])
+        cache = poison(make_cache(rng, "float32", P, Hkv, D), slots.numpy())
+        run_checked(X, q, k, v, torch.from_numpy(rng.integers(0, 5000, T)), slots, cache)
+
+    call(1)
+    call(5)  # (its graph starts compiling while the one-token graph does)
+    torch_cpu_compiled.wait()
+    assert not torch_cpu_compiled.failed(), "a compile failed (see the warning)"
+    with paths.counting() as seen:
+        call(1)
+        call(5)
+    assert (seen[COMPILED], seen["torch_cpu.compiled_step"]) == (1, 1)

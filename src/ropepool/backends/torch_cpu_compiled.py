@@ -64,6 +64,10 @@ _compiled: dict = {}
 _MAX_COMPILED = 256
 _pending: dict = {}  # key -> [(bound, known)] waiting for a background compile of that key
 _lock = threading.Lock()
+# One compile at a time: make_fx and inductor keep process-wide state, and two layouts' graphs traced in two
+# threads at once fail (measured: "CURRENT_PATCHER is None", "'CustomDecompTable' object is not a mapping"),
+# which turned the compiled path off for the process.
+_compiling = threading.Lock()
 _log = logging.getLogger("ropepool")
 
 
@@ -237,8 +241,10 @@ def _build(key, args, graph, aliases) -> None:
     (or give up: the ops then serve every call)."""
     t = time.perf_counter()
     try:
-        fn = _compile(args, graph, aliases)
-        if not _checked(fn, _examples(args, graph, aliases), graph):
+        with _compiling:
+            fn = _compile(args, graph, aliases)
+            same = _checked(fn, _examples(args, graph, aliases), graph)
+        if not same:
             _give_up("its results differ from the torch ops'")
             return
         if len(_compiled) >= _MAX_COMPILED:
