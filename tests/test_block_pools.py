@@ -11,6 +11,9 @@ array of both caches:
   float64 oracle's (``reference.rope_pool_fused`` with tuple pools);
 - k_rot and q_rot agree with the oracle's rotation (the dtype's rounding);
 - rows no token names (negative slots, other slots, other layers) keep their bytes.
+
+Backends: the torch code and MLX (both formats), the Triton kernel (NVFP4; on the CPU under
+TRITON_INTERPRET=1, as conftest sets it).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from ropepool import reference
 from tests import quant_ports as port
 from tests.harness import NP_DTYPES, TOL, assert_same_bits, make_positions, make_slots, randn
 from tests.params import BACKENDS
-from tests.test_quant_formats import pool_shape, random_bytes
+from tests.test_quant_formats import nvfp4_rows, pool_shape, random_bytes
 
 # name: (kv_layout, page_size, layers, layer)
 LAYOUTS = {"flat": (None, 1, None, None), "nhd": ("NHD", 4, None, None), "hnd-layers": ("HND", 2, 3, 1)}
@@ -86,8 +89,9 @@ def engine_rows(fmt, rows, scale):
     return port.mlx_affine_rows(rows, FORMATS[fmt], G)
 
 
-CASES = [(b, f, lay, dt) for b in BACKENDS if b != "triton" for f in FORMATS for lay in LAYOUTS
-         for dt in ("bfloat16", "float16")]
+# The Triton kernel writes NVFP4 (not the affine format: such calls go to the torch code).
+CASES = [(b, f, lay, dt) for b in BACKENDS for f in FORMATS for lay in LAYOUTS for dt in ("bfloat16", "float16")
+         if b != "triton" or f == "nvfp4"]
 
 
 @pytest.mark.parametrize("backend,fmt,layout,dtype", [pytest.param(*c, id="-".join(c)) for c in CASES],
@@ -102,7 +106,9 @@ def test_block_pool_bytes(backend, fmt, layout, dtype):
     kv_layout, page_size, layers, layer = LAYOUTS[layout]
     T = 7
     q, k, v = (randn(rng, T, h, D, dtype=dtype, scale=3.0) for h in (HQ, H, H))
-    positions, slots = make_positions(rng, T), make_slots(rng, T, 16)
+    if fmt == "nvfp4":  # V is not rotated: its blocks can sit on every rounding tie (v_scale 0.5), at the
+        v = np.roll(nvfp4_rows(rng, T, D, NP_DTYPES[dtype]), 1, axis=0)  # tokens 1 and 2 (written: 0 is not)
+    positions, slots = make_positions(rng, T), make_slots(rng, T, 16)  # every third token skipped, from 0
     k0, v0 = parts_of(fmt, rng, LAYOUTS[layout], dtype), parts_of(fmt, rng, LAYOUTS[layout], dtype)
     scales = {"k_scale": 0.25, "v_scale": 0.5} if fmt == "nvfp4" else {}
     kw = dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=H, kv_layout=kv_layout, layer=layer, **scales)
@@ -122,3 +128,20 @@ def test_block_pool_bytes(backend, fmt, layout, dtype):
             assert_same_bits(f"{cache}_pool[{i}]", to_np(g, w), w)
     for i, (g, w) in enumerate(zip(vp, ref[3])):  # V is not rotated: the oracle's bytes exactly
         assert_same_bits(f"v_pool[{i}] vs the oracle", to_np(g, w), w)
+
+
+def test_nvfp4_pools_the_same_with_an_fp8_k_out():
+    """With an fp8 k_out the pools still hold k_rot in k's dtype quantized (the torch code takes such calls
+    on every device): the same bytes as the call without k_out."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    q, k, v = (torch.from_numpy(randn(rng, 5, h, D, scale=3.0)).bfloat16() for h in (HQ, H, H))
+    positions, slots = torch.arange(5), torch.tensor([3, -1, 0, 9, 12])
+    kw = dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=H, k_scale=0.25, v_scale=0.5)
+    pools = [tuple(to_fw(a, "torch") for a in parts_of("nvfp4", np.random.default_rng(8), LAYOUTS["flat"], "bfloat16"))
+             for _ in range(4)]
+    ropepool.rope_pool_fused(q, k, v, positions, slots, pools[0], pools[1], **kw)
+    k_out = torch.empty(5, H, D, dtype=torch.float8_e4m3fn)
+    ropepool.rope_pool_fused(q, k, v, positions, slots, pools[2], pools[3], k_out=k_out, k_out_scale=1.0, **kw)
+    for a, b in zip(pools[0] + pools[1], pools[2] + pools[3]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -72,8 +72,10 @@ def nvfp4_rows(rng, T, D, dtype):
     # amax 3 = 6 * sf * gs with sf = 1 exact: the others sit on every tie (times sf * gs = 0.5), both signs.
     ties = np.array([3.0, 0.125, 0.375, 0.625, 0.875, 1.25, 1.75, 2.5, -0.125, -0.375, -0.625, -0.875, -1.25,
                      -1.75, -2.5, 0.0])
+    # Block scales on e4m3 ties (amax = 6 * 0.5 * the midpoint): 1.0625 rounds down to 1.0, 1.1875 up to 1.25.
+    scale_ties = [np.r_[3.1875, np.linspace(-1, 1, 15)], np.r_[-3.5625, np.linspace(-1, 1, 15)]]
     special = [ties, np.zeros(16), -np.zeros(16), np.full(16, 1e-6), np.full(16, -4000.0), np.linspace(-7, 7, 16),
-               np.full(16, 0.01)]
+               np.full(16, 0.01), *scale_ties]
     for i, b in enumerate(special[: len(blocks)]):
         blocks[i] = b
     return x.astype(dtype)
@@ -108,11 +110,12 @@ def test_nvfp4_writes_as_flashinfer(pool, dtype):
 
 def test_nvfp4_scale_cases_reached():
     """The special blocks reach what they are for: sf exactly 1, zero (all zero, or e4m3 underflow), saturated
-    at 448, and an e4m3 subnormal."""
+    at 448, an e4m3 subnormal, and both ways of an e4m3 tie."""
     rows = nvfp4_rows(np.random.default_rng(0), 7, 64, np.float16)
     _, sf = rq.nvfp4_rows(rows, 0.5)
     sf = sf.reshape(-1).astype(np.float32)
     assert sf[0] == 1.0 and sf[1] == 0.0 and sf[3] == 0.0 and sf[4] == 448.0 and 0 < sf[6] < 2.0**-6
+    assert sf[7] == 1.0 and sf[8] == 1.25
 
 
 @pytest.mark.parametrize("framework", ["torch", "mlx"])

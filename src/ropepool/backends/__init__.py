@@ -28,7 +28,9 @@ from ..errors import RopePoolError
 # Every feature a plan may use (plan.build): the rotation's, the stores' (stores.feature) and the torch call's.
 ROTATION = frozenset({"norm", "mrope", "table", "longrope", "latent"})
 STORES = frozenset({"pool.scaled", "pool.per_token_head", "q_out.scaled", "k_out.scaled"})
-BLOCK = frozenset({"pool.nvfp4", "pool.affine"})  # block-quantized (tuple) pools: the torch code and MLX
+# Block-quantized (tuple) pools: the torch code and MLX; the Triton kernel NVFP4, unless the call also has an fp8
+# k_out (the kernel quantizes k_rot as returned, read back from k_out) or is traced (the custom op has no tuples).
+BLOCK = frozenset({"pool.nvfp4", "pool.affine", "pool.nvfp4.torch"})
 TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
 ALL = ROTATION | STORES | BLOCK | TORCH
 
@@ -111,7 +113,7 @@ def _mlx_why_not(q) -> str | None:
 
 # In order of preference within a framework.
 BACKENDS = (
-    Backend("triton", "torch", ".triton_op", ALL - BLOCK, ("cuda",), _triton_why_not),
+    Backend("triton", "torch", ".triton_op", ALL - {"pool.affine", "pool.nvfp4.torch"}, ("cuda",), _triton_why_not),
     # torch on CPU tensors in fewer passes; per-token-head caches, fp8 outputs, MRoPE, autograd and tracing
     # stay on the general torch code (its fallback too, for calls it declines at run time).
     Backend("torch", "torch", ".torch_cpu", ALL - {"mrope", "pool.per_token_head", "q_out.scaled", "k_out.scaled"}

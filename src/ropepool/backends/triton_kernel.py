@@ -165,6 +165,60 @@ def _scale(ptr, head, mask, PER_HEAD: tl.constexpr):
         return tl.load(ptr)
 
 
+@triton.jit
+def _e4m3(s):
+    """float32 ``s >= 0`` rounded to float8_e4m3fn (nearest even, saturated at 448) as (its bits, its value).
+
+    By hand, not by a cast: the CPU interpreter's fp8 casts mis-round (triton-lang/triton#8322). A step of
+    e4m3 is 2^(e - 3) for a value in [2^e, 2^(e+1)), e >= -6 (below: subnormal, step 2^-9); dividing by a
+    power of two is exact, so the quotient's nearest-even integer gives the rounded value."""
+    s = tl.minimum(s, 448.0)
+    e = tl.maximum(((s.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    q = s / step
+    f = tl.floor(q)
+    d = q - f
+    odd = (f.to(tl.int32) & 1) == 1
+    r = f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+    val = tl.minimum(r * step, 448.0)
+    ve = tl.maximum(((val.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127, -6)  # val's exponent
+    normal = val >= 0.015625
+    mant = tl.where(normal, val / ((ve + 127) << 23).to(tl.float32, bitcast=True) * 8.0 - 8.0, val * 512.0)
+    bits = tl.where(normal, ((ve + 7) << 3), 0) + mant.to(tl.int32)
+    return bits.to(tl.uint8), val
+
+
+@triton.jit
+def _e2m1(y):
+    """4-bit e2m1 codes of float32 ``y`` (nearest, ties to the even code, saturated at 6; sign in bit 3):
+    how many midpoints the magnitude passes, > or >= by the parity of the code above (blockquant.py)."""
+    m = tl.abs(y)
+    code = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + \
+        (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32)
+    sign = (y.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+    return code + sign * 8
+
+
+@triton.jit
+def _nvfp4_store(row, sf_row, x, g, mask, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """FlashInfer's NVFP4 quantization of float32 rows ``x [heads, BLOCK_DV]`` (global decode scale ``g``):
+    e2m1 codes two a byte at ``row``, one e4m3 scale per 16 features at ``sf_row`` (reference_quant.py)."""
+    NB: tl.constexpr = BLOCK_DV // 16
+    xb = tl.reshape(x, [x.shape[0], NB, 16])
+    amax = tl.max(tl.abs(xb), 2)
+    live = amax > 0.0
+    six_g = tl.full(amax.shape, 6.0, tl.float32) * g
+    sf_bits, sf = _e4m3(tl.where(live, tl.div_rn(amax, six_g), 0.0))
+    one = tl.full(amax.shape, 1.0, tl.float32)
+    out_scale = tl.where(live & (sf > 0.0), tl.div_rn(one, tl.where(sf > 0.0, sf, 1.0) * g), 0.0)
+    codes = tl.reshape(_e2m1(xb * out_scale[:, :, None]), [x.shape[0], BLOCK_DV // 2, 2])
+    lo, hi = tl.split(codes)
+    c = tl.arange(0, BLOCK_DV // 2)[None, :]
+    tl.store(row + c, (lo + hi * 16).to(tl.uint8), mask=mask & (c < DV // 2))
+    b = tl.arange(0, NB)[None, :]
+    tl.store(sf_row + b, sf_bits, mask=mask & (b < DV // 16))
+
+
 @triton.jit(do_not_specialize=["pool_size", "pos_row_stride"])
 def rope_pool_kernel(
     q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, table, use_long, q_weight, k_weight,
@@ -183,6 +237,7 @@ def rope_pool_kernel(
     NORM: tl.constexpr, Q_W: tl.constexpr, K_W: tl.constexpr, EPS: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
     Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, PTH: tl.constexpr,
+    NVFP4: tl.constexpr,
 ):
     # Tiles are [head, feature]. HQ and HKV are the heads of one program:
     # program (t, g) takes heads g * HQ ... of q and g * HKV ... of k and v
@@ -253,7 +308,7 @@ def rope_pool_kernel(
     else:
         q_pass = tl.zeros([BHQ, BLOCK_PASS], tl.float32)
         k_pass = tl.zeros([BHKV, BLOCK_PASS], tl.float32)
-    if FP8:
+    if FP8 or NVFP4:  # (NVFP4: the global decode scales)
         k_scale = _scale(k_scale_ptr, kv_head, mkh, K_PER_HEAD)
         v_scale = _scale(v_scale_ptr, kv_head, mkh, V_PER_HEAD)
     else:
@@ -308,13 +363,21 @@ def rope_pool_kernel(
     kp_row = k_pool + page * KP_PAGE + in_page * KP_ROW + kv_head * KP_SH
     vp_row = v_pool + page * VP_PAGE + in_page * VP_ROW + kv_head * VP_SH
     mkw = (hk < p_heads) & (kv_head < NUM_KV)
-    if PTH:  # each (token, head) row's scale, stored where the pool keeps the row; the rows take its reciprocal
-        ks, k_scale = _pth_scale(tl.maximum(tl.maximum(_absmax(k1), _absmax(k2)), _absmax(k_pass)), FP8_MAX)
-        vs, v_scale = _pth_scale(_absmax(tl.where(dv < DV, vals, 0.0)), FP8_MAX)
-        tl.store(ks_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH, ks, mask=mkw)
-        tl.store(vs_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH, vs, mask=mkw)
-    if ROT > 0:
-        _store_pairs(kp_row, k1, k2, i, mkw, k_scale, HALF, BLOCK_HALF, GPTJ, POOL_Q, FP8_MAX)
-    if ROT < D:
-        _store_out(kp_row + j, k_pass, mkw & mj, k_scale, POOL_Q, FP8_MAX)
-    _store_out(vp_row + dv, vals, mkw & (dv < DV), v_scale, POOL_Q, FP8_MAX)
+    if NVFP4:  # blocks of 16 over the whole row: read k_rot back as returned (k's dtype) once it is stored
+        tl.debug_barrier()
+        k_row_out = tl.load(ko_row + dv, mask=mkh & (dv < DV), other=0.0).to(tl.float32)
+        ks_row = ks_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH
+        vs_row = vs_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH
+        _nvfp4_store(kp_row, ks_row, k_row_out, k_scale, mkw, DV, BLOCK_DV)
+        _nvfp4_store(vp_row, vs_row, tl.where(dv < DV, vals.to(tl.float32), 0.0), v_scale, mkw, DV, BLOCK_DV)
+    else:
+        if PTH:  # each (token, head) row's scale, stored where the pool keeps the row; the rows take its reciprocal
+            ks, k_scale = _pth_scale(tl.maximum(tl.maximum(_absmax(k1), _absmax(k2)), _absmax(k_pass)), FP8_MAX)
+            vs, v_scale = _pth_scale(_absmax(tl.where(dv < DV, vals, 0.0)), FP8_MAX)
+            tl.store(ks_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH, ks, mask=mkw)
+            tl.store(vs_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH, vs, mask=mkw)
+        if ROT > 0:
+            _store_pairs(kp_row, k1, k2, i, mkw, k_scale, HALF, BLOCK_HALF, GPTJ, POOL_Q, FP8_MAX)
+        if ROT < D:
+            _store_out(kp_row + j, k_pass, mkw & mj, k_scale, POOL_Q, FP8_MAX)
+        _store_out(vp_row + dv, vals, mkw & (dv < DV), v_scale, POOL_Q, FP8_MAX)

@@ -109,7 +109,7 @@ def _features(plan, split: int) -> dict:
         Q_W=norm is not None and norm.q_weight is not None, K_W=norm is not None and norm.k_weight is not None,
         FP8="pool.scaled" in features, K_PER_HEAD=_numel(st.k_pool.scale) > 1,
         V_PER_HEAD=_numel(st.v_pool.scale) > 1, Q_FP8="q_out.scaled" in features, K_FP8="k_out.scaled" in features,
-        PTH="pool.per_token_head" in features,
+        PTH="pool.per_token_head" in features, NVFP4="pool.nvfp4" in features,
     )
     ints = {n: int(c[n]) for n in _INT_FEATURES}  # bools as ints: one spelling, one compiled kernel
     eps, offset = (1.0, 0.0) if norm is None else (norm.eps, norm.weight_offset)
@@ -228,6 +228,8 @@ class Prepared:
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         """The runner for calls laid out like these arrays (under torch.compile: one that calls the op)."""
+        if "pool.nvfp4" in self.plan.features:
+            return self.nvfp4_run
         for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
             if pool.stride(-1) != 1 and pool.shape[-1] > 1:  # the kernel stores each head's row as one run
                 raise RopePoolError(f"backend 'triton' writes pools whose head dim is contiguous; got {name} with "
@@ -252,6 +254,19 @@ class Prepared:
             return q_out, k_out, k_pool, v_pool
 
         return run
+
+
+    def nvfp4_run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
+        """A call into NVFP4 pools ``(data, block_scales)``: the block scales ride where per-token-head scale
+        caches do (4-D NHD views, read as bytes); no direct launch (the caller's arrays change per call)."""
+        (kd, ksf), (vd, vsf) = k_pool, v_pool
+        views = tuple(paged_view(x.view(torch.uint8), self.call.pool) for x in (ksf, vsf))
+        rot = self.call.rotation
+        launch = self.launcher.bind(q, k, v, positions, slots, kd, vd, q_out, k_out, rot.table, views)
+        long_from = rot.long_from if "longrope" in self.plan.features else None
+        q_out, k_out, _, _ = launch(q, k, v, positions, slots, kd, vd, q_out, k_out, long_factors(positions, long_from),
+                                    (*self.extras(q.device)[:8], *views))
+        return q_out, k_out, k_pool, v_pool
 
 
 @torch.library.custom_op("ropepool::rope_pool", mutates_args=("q_out", "k_out", "k_pool", "v_pool", "k_scale_cache",

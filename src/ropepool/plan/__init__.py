@@ -84,7 +84,8 @@ def build(call: validate.Call) -> Plan:
     rot, norm, st = call.rotation, call.norm, call.stores
     used = {"norm": norm is not None, "mrope": call.position_rows == 3, "table": rot.table_ref is not None,
             "longrope": rot.long_from is not None and rot.table_ref is None, "latent": call.latent,
-            "autograd": call.autograd, "traced": call.traced}
+            "autograd": call.autograd, "traced": call.traced,
+            "pool.nvfp4.torch": st.k_pool.format == "nvfp4" and (st.k_out.quantized or call.traced)}
     features = frozenset([f for f, on in used.items() if on] +
                          [f for f in map(feature, DESTINATIONS, st) if f is not None])
     qw, kw = (None, None) if norm is None else norm.weights
