@@ -47,7 +47,7 @@ from pathlib import Path
 from ropepool.cli.bench_records import ROOT, Cell, Ratios, Record, Records
 
 DOCS = ("README.md", "docs/benchmarks.md", "docs/benchmarks_features.md", "docs/mlx.md")
-BLOCK_MODULES = ("ropepool.cli.bench_blocks", "ropepool.cli.bench_blocks_runs")
+BLOCK_MODULES = ("ropepool.cli.bench_blocks", "ropepool.cli.bench_blocks_runs", "ropepool.cli.bench_blocks_quant")
 
 BLOCKS: dict[str, Callable[..., str]] = {}
 MARKER = re.compile(r"<!-- summary:(?P<name>[\w-]+)(?P<args>[^>]*?) -->\n(?P<body>.*?)<!-- /summary:(?P=name) -->",
