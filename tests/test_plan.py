@@ -15,10 +15,10 @@ import ropepool
 from ropepool import QKNorm, RopeSpec, backends, plan
 from ropepool.checks import validate
 from ropepool.rotation.spec import CosSinCache
-from tests.harness import HAS
 
-torch = pytest.importorskip("torch") if HAS["torch"] else None
-pytestmark = pytest.mark.skipif(not HAS["torch"], reason="needs torch")
+# The whole module needs torch (its parametrize lists hold tensors, built while collecting): in the MLX
+# job it is skipped, not an error.
+torch = pytest.importorskip("torch")
 
 T, HQ, HKV, D, P = 2, 4, 2, 16, 8
 
