@@ -145,3 +145,25 @@ def test_nvfp4_pools_the_same_with_an_fp8_k_out():
     ropepool.rope_pool_fused(q, k, v, positions, slots, pools[2], pools[3], k_out=k_out, k_out_scale=1.0, **kw)
     for a, b in zip(pools[0] + pools[1], pools[2] + pools[3]):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+def test_nvfp4_into_flashinfer_stacked_cache_views(backend):
+    """FlashInfer's stacked NVFP4 cache, ``[pages, 2, page_size, H, D // 2]`` with its scales ``[pages, 2,
+    page_size, H, D // 16]``, passed as the K and V views ``cache[:, 0]``, ``cache[:, 1]``: written through
+    the views, every byte of both tensors as the FlashInfer port writes each half."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    pages, page, T = 4, 4, 6
+    q, k, v = (backend.array(randn(rng, T, h, D, dtype="bfloat16", scale=3.0)) for h in (HQ, H, H))
+    positions, slots = backend.array(make_positions(rng, T)), backend.array(make_slots(rng, T, pages * page))
+    data = backend.array(random_bytes(rng, (pages, 2, page, H, D // 2), np.uint8))
+    sf = backend.array(random_bytes(rng, (pages, 2, page, H, D // 16), ml_dtypes.float8_e4m3fn))
+    want_data, want_sf = data.clone(), sf.clone()
+    _, k_rot, _, _ = ropepool.rope_pool_fused(q, k, v, positions, slots, (data[:, 0], sf[:, 0]), (data[:, 1], sf[:, 1]),
+                                              head_dim=D, num_qo_heads=HQ, num_kv_heads=H, kv_layout="NHD",
+                                              k_scale=0.25, v_scale=0.5, backend=backend.name)
+    for half, rows, scale in ((0, k_rot, 0.25), (1, v, 0.5)):
+        port.fi_append_slot_mapping(rows.cpu(), slots.cpu(), want_data[:, half], want_sf[:, half], scale)
+    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(sf.view(torch.uint8), want_sf.view(torch.uint8))
