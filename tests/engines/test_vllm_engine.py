@@ -25,6 +25,15 @@ SERVE = Path(__file__).with_name("vllm_serve.py")
 FAMILIES = ["llama", "qwen3", "gptj", "gemma3"]
 QK_NORM = ("qwen3", "gemma3")  # per-head q/k RMS norms before RoPE
 BF16 = "llama@bfloat16"
+# head_dim 80 (a multiple of 16, not of 32): vLLM's _get_attn_isa picks isa vec16 for it in bfloat16 on any CPU,
+# an AMX one included, so ropepool's route serves these in bfloat16 here too
+BF16_ROUTED = ["llama:80@bfloat16", "qwen3:80@bfloat16"]
+# bfloat16 against vLLM's own path: the largest |delta log-probability| of a generated token before the first
+# divergence, and at a divergence the largest gap between the two tokens' log-probabilities in either run (a
+# near-tie). The repo's bfloat16 bound against another implementation (tests/gpu/test_integration_gpu.py).
+# Measured here: 0 (Llama: the same rotation, rounded once) and 0.040 (Qwen3: vLLM rounds the normalised row to
+# bf16 before the gain and again before RoPE, ropepool once); docs/engines.md.
+LOGPROB_BOUND = TIE = 0.25
 # DeepSeek V2 (MLA) in bfloat16: vLLM's AMX_MLA backend (picked on this AMX CPU) refuses float32 weights
 MLA = "deepseek_v2@bfloat16"
 MAX_TOKENS = 6
@@ -52,7 +61,7 @@ def serve(tmp: Path, families, ropepool: bool, tp: int = 1) -> tuple[dict, str]:
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-tp1")
-    families = FAMILIES + [BF16, MLA]
+    families = FAMILIES + [BF16, MLA] + BF16_ROUTED
     return serve(tmp, families, ropepool=True), serve(tmp, families, ropepool=False)
 
 
@@ -100,6 +109,33 @@ def test_cpu_cache_written_as_vllm_writes_it(isa, dtype):
     ops.cpu_attn_reshape_and_cache(k, v, *halves, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     assert torch.equal(ours.view(torch.int16 if dt == torch.bfloat16 else torch.int32),
                        theirs.view(torch.int16 if dt == torch.bfloat16 else torch.int32))
+
+
+def test_amx_packing_is_no_strided_view():
+    """What vLLM's isa amx write (bfloat16 on an AMX CPU, head size a multiple of 32) stores, per block and head
+    (docs/engines.md): key (t, d) at ((t // 16) * D/2 + d // 2) * 32 + t % 16 * 2 + d % 2, value (t, d) at
+    ((d // 16) * bs/2 + t // 2) * 32 + d % 16 * 2 + t % 2: AMX's bf16 pairs, not affine in d (keys) or t
+    (values), so no strided pool view reaches it and the route declines it."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX tiles: vLLM never picks isa amx here")
+    bs, dim, heads = 64, 96, 2
+    t, d = torch.meshgrid(torch.arange(bs), torch.arange(dim), indexing="ij")
+    expected = {"k": ((t // 16) * (dim // 2) + d // 2) * 32 + t % 16 * 2 + d % 2,
+                "v": ((d // 16) * (bs // 2) + t // 2) * 32 + d % 16 * 2 + t % 2}
+    for i, which in enumerate("kv"):
+        for code, want in ((t, t), (d, d)):  # small integers: exact in bfloat16
+            x = code.unsqueeze(1).expand(bs, heads, dim).to(torch.bfloat16).contiguous()
+            cache = torch.full((1, heads, 2 * bs, dim), -1.0, dtype=torch.bfloat16)
+            halves = cache.chunk(2, dim=2)
+            kv = (x, torch.zeros_like(x)) if which == "k" else (torch.zeros_like(x), x)
+            ops.cpu_attn_reshape_and_cache(*kv, *halves, torch.arange(bs), "amx", k_scale=1.0, v_scale=1.0,
+                                           kv_cache_dtype="auto")
+            stored = halves[i].reshape(heads, -1)
+            for h in range(heads):
+                assert torch.equal(stored[h][expected[which].flatten()].float(), want.flatten().float()), which
 
 
 def test_register_on_cpu_installs_the_route():
@@ -154,6 +190,34 @@ def test_bfloat16(tp1):
     assert [t[0] for t in a] == [t[0] for t in b]
     same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
     assert same >= 0.75 * sum(len(t) for t in a), (a, b)
+
+
+def logprob_gaps(a: dict, b: dict) -> tuple[float, float]:
+    """(largest |delta log-probability| of a generated token before the first divergence, largest gap between
+    the two runs' tokens at a divergence, in either run's top log-probabilities)."""
+    shared = tie = 0.0
+    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
+        for x, y, sa, sb in zip(ta, tb, la, lb):
+            if x != y:  # each run must rank the other's token among its top ones, close to its own
+                assert str(y) in sa and str(x) in sb, (x, y, sa, sb)
+                tie = max(tie, sa[str(x)] - sa[str(y)], sb[str(y)] - sb[str(x)])
+                break
+            shared = max(shared, abs(sa[str(x)] - sb[str(x)]))
+    return shared, tie
+
+
+@pytest.mark.parametrize("family", BF16_ROUTED)
+def test_bfloat16_through_ropepool(tp1, family):
+    """bfloat16 inside vLLM through ropepool (head_dim 80: isa vec16, which ropepool writes): every layer call
+    ropepool's, Qwen3's norms in it; log-probabilities within LOGPROB_BOUND of vLLM's own path, tokens parting
+    only at a near-tie."""
+    (with_rp, _), (without, _) = tp1
+    r, plain = ok(with_rp, family), ok(without, family)
+    calls = r.get("calls", [])
+    assert calls and routes(r) == Counter(ropepool=len(calls)), f"{family}: calls by route {dict(routes(r))}"
+    assert {c[7] for c in calls} == {"ropepool" if family.startswith(QK_NORM) else "-"}, Counter(c[7] for c in calls)
+    shared, tie = logprob_gaps(r, plain)
+    assert shared <= LOGPROB_BOUND and tie <= TIE, f"{family}: log-probabilities differ by {shared:.3f} (tie {tie:.3f})"
 
 
 def test_mla_served_by_vllm_untouched(tp1):

@@ -1,6 +1,8 @@
 """Serve tiny random-weight checkpoints through vLLM (its CPU build) and save greedy tokens and ropepool's calls.
 
-    python tests/engines/vllm_serve.py OUT.json --families llama,qwen3,llama@bfloat16 [--tp 2]
+    python tests/engines/vllm_serve.py OUT.json --families llama,qwen3,llama@bfloat16,qwen3:80@bfloat16 [--tp 2]
+
+(``name:80``: head_dim 80; ``@dtype``: float32 unless said.)
 
 Run as its own process (vLLM spawns workers: hence the ``__main__`` guard); the test runs it
 with ropepool's entry point loaded as any install loads it, and with ``VLLM_PLUGINS=""``.
@@ -24,18 +26,22 @@ SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
 # initializer_range 0.2 (HF's default is 0.02): the next token then depends on the context, so a wrong
 # rotation or cache row shows in the tokens.
+LOGPROBS = 5  # the top log-probabilities kept per generated token (and the chosen token's)
 
 
 def checkpoint(family: str, path: str) -> None:
-    """A tiny random-weight model of ``family`` saved to ``path`` (seeded: the same weights in every process)."""
+    """A tiny random-weight model of ``family`` (``name`` or ``name:head_dim``) saved to ``path`` (seeded: the
+    same weights in every process)."""
     import torch
     import transformers as tf
 
     torch.manual_seed(0)
+    family, _, head_dim = family.partition(":")
+    dims = {"head_dim": int(head_dim)} if head_dim else {}
     if family == "llama":  # GQA, NeoX RoPE
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL))
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, **dims))
     elif family == "qwen3":  # per-head RMS norm of q and k before RoPE
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, head_dim=32))
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, **({"head_dim": 32} | dims)))
     elif family == "gptj":  # GPT-J pairs, partial rotary (32 of 64)
         model = tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=256, n_embd=128, n_layer=2, n_head=2, rotary_dim=32,
                                                  n_positions=512, initializer_range=0.2))
@@ -75,18 +81,19 @@ def serve(family: str, dtype: str, tp: int, max_tokens: int) -> dict:
               block_size=32, max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
               distributed_executor_backend="uni" if tp == 1 else "mp")
     up = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    tokens, cached = [], []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=LOGPROBS)
+    tokens, cached, logprobs = [], [], []
     for batch in prompts():
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         tokens += [list(o.outputs[0].token_ids) for o in outs]
         cached += [o.num_cached_tokens or 0 for o in outs]
+        logprobs += [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs]
     del llm
     gc.collect()
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
-    return {"tokens": tokens, "cached": cached, "startup_s": round(up, 1)}
+    return {"tokens": tokens, "cached": cached, "logprobs": logprobs, "startup_s": round(up, 1)}
 
 
 def main() -> None:

@@ -16,8 +16,9 @@ public extension points, registered by ``register()`` in every vLLM process:
   place and writes k and v into the cache, then vLLM's own CPU attention kernel runs.
   vLLM's CPU cache keeps each block's keys transposed (``[head_size, block_size]`` per head,
   isa vec / vec16) and its values as rows: ropepool writes the keys through a transposed view,
-  an HND pool whose head dim is strided (``cache_views(..., "cpu")``). The AMX layout (isa amx,
-  bfloat16 on an AMX CPU) packs differently: those layers stay vLLM's, with a warning.
+  an HND pool whose head dim is strided (``cache_views(..., "cpu")``). The AMX layout (isa amx:
+  bfloat16 on an AMX CPU, head size a multiple of 32) packs bf16 pairs, which no strided view reaches
+  (docs/engines.md): those layers stay vLLM's, with a warning.
 
 - ``CustomOp.register_oot(name="RMSNorm")`` and ``(name="GemmaRMSNorm")``: a per-head q/k norm
   (an attention module's ``q_norm`` / ``k_norm``: Qwen3, Gemma 3, ...) normalises nothing
@@ -80,7 +81,8 @@ def _model_served() -> bool:
         isas = {getattr(m, "isa", None) for m in attn if isinstance(m.impl, CPUImpl)} - set(ISAS)
         if isas:
             log.warning("ropepool: vLLM's CPU attention packs its cache for isa %s here (bfloat16 on an AMX CPU: "
-                        "'amx'); ropepool writes isa %s only, so vLLM does RoPE and the cache writes itself.",
+                        "'amx', unless the head size is a multiple of 16 but not of 32); ropepool writes isa %s "
+                        "only, so vLLM does RoPE and the cache writes itself.",
                         sorted(map(str, isas)), " / ".join(ISAS))
         hit = _served[id(layers)] = (layers, bool(attn) and all(served_here(m) for m in attn))
     return hit[1]
