@@ -35,6 +35,13 @@ def latent_args():
     return arrays, dict(rope=RopeSpec(head_dim=D))
 
 
+def indexer_args():
+    """rope_indexer_fused's: DeepSeek V3.2's indexer key [T, 128] into a uint8 cache of 132-byte rows."""
+    arrays = (torch.randn(T, HQ, 128), torch.randn(T, 128), torch.arange(T), torch.arange(T),
+              torch.zeros(P, 132, dtype=torch.uint8))
+    return arrays, dict(rope=RopeSpec(head_dim=128, rotary_dim=64))
+
+
 def other_values(arrays):
     """For each keyword: values that make another call than its default (or the base call's) value."""
     q, k = arrays[0], arrays[1]  # (another call's: not in place)
@@ -45,14 +52,16 @@ def other_values(arrays):
         "k_scale": [0.5], "v_scale": [0.5], "kv_layout": ["NHD"], "q_out": [torch.empty_like(q), IN_PLACE],
         "k_out": [torch.empty_like(k), IN_PLACE], "backend": ["torch"], "qk_norm": [QKNorm(None, None)],
         "q_scale": [0.5], "k_out_scale": [0.5], "k_scale_cache": [caches], "v_scale_cache": [caches],
-        "scale": [0.5], "q_pe_out": [torch.empty_like(q), IN_PLACE],
+        "scale": [0.5], "q_pe_out": [torch.empty_like(q), IN_PLACE], "cache_format": ["fp8_ds_mla"],
+        "scale_fmt": ["ue8m0"], "quant_block_size": [64],
     }
 
 
 IN_PLACE = "the input itself"  # q_out=q, k_out=k
 
 
-@pytest.mark.parametrize("op,make", [("rope_pool_fused", pool_args), ("rope_latent_fused", latent_args)])
+@pytest.mark.parametrize("op,make", [("rope_pool_fused", pool_args), ("rope_latent_fused", latent_args),
+                                     ("rope_indexer_fused", indexer_args)])
 def test_layout_key_covers_every_keyword(op, make, monkeypatch):
     """Each keyword of the op's public signature, changed alone, changes the key api.py looks the layout up by.
 

@@ -3,7 +3,7 @@ import sys
 
 from . import reference
 from ._version import __version__
-from .api import rope_latent_fused, rope_pool_fused
+from .api import rope_indexer_fused, rope_latent_fused, rope_pool_fused
 from .checks.values import validate_slots
 from .errors import RopePoolError
 from .rotation.norm import QKNorm
@@ -14,5 +14,5 @@ if sys.modules.get("torch") is not None:  # torch is in use already: ready its b
 
     load_torch_backends()
 
-__all__ = ["rope_pool_fused", "rope_latent_fused", "RopeSpec", "CosSinCache", "QKNorm", "RopePoolError",
-           "validate_slots", "reference", "__version__"]
+__all__ = ["rope_pool_fused", "rope_latent_fused", "rope_indexer_fused", "RopeSpec", "CosSinCache", "QKNorm",
+           "RopePoolError", "validate_slots", "reference", "__version__"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import plan
+from . import dsa, plan
 from .checks import validate
 from .checks.blocks import first_array, parts_layout
 
@@ -123,8 +123,9 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
 
 
 def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, slots: Array, ckv_cache: Array,
-                      kpe_cache: Array, *, rope, kv_layout: str | None = None, layer: int | None = None, scale=None,
-                      q_pe_out: Array | None = None, backend: str | None = None) -> tuple[Array, Array, Array, Array]:
+                      kpe_cache: Array | None, *, rope, kv_layout: str | None = None, layer: int | None = None,
+                      scale=None, q_pe_out: Array | None = None, backend: str | None = None,
+                      cache_format: str | None = None) -> tuple[Array, Array, Array, Array | None]:
     """The latent cache of multi-head latent attention (DeepSeek V2/V3, Kimi K2): rotate q_pe and k_pe,
     write kv_c and the rotated k_pe at ``slots``. The contract: docs/api.md.
 
@@ -142,11 +143,17 @@ def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, s
         gives GPT-J pairs and YaRN with mscale)
     scale : float or one-element float32 tensor; required for fp8 caches, which store value / scale
     q_pe_out : torch.Tensor, optional; may be q_pe (in place)
+    cache_format : {None, "fp8_ds_mla"}
+        ``"fp8_ds_mla"``: DeepSeek V3.2's (vLLM's ``kv_cache_dtype``) rows. ckv_cache is the one uint8
+        ``[..., 656]`` cache and kpe_cache None; each row gets kv_c as e4m3 in 4 tiles of 128 with their
+        float32 scales (``max(amax / 448, FLT_MIN)``) and the rotated k_pe in q_pe's 16-bit dtype
+        (docs/layouts.md). Torch tensors.
 
     Returns
     -------
     q_pe_rot, k_pe_rot (k_pe's shape), ckv_cache, kpe_cache
-        As rope_pool_fused: torch caches in place, MLX caches donated.
+        As rope_pool_fused: torch caches in place, MLX caches donated. With fp8_ds_mla,
+        kpe_cache is None.
 
     Notes
     -----
@@ -154,13 +161,57 @@ def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, s
     ``apply_rotary_pos_emb_interleave`` returns the same values with each
     head's features permuted (evens, then odds).
     """
-    arrays = (q_pe, k_pe, kv_c, positions, slots, kpe_cache, ckv_cache, q_pe_out, None)
-    scalars = plan.latent_key(rope, kv_layout, layer, scale, q_pe_out, backend, q_pe)
-    run = plan.lookup(scalars, arrays)
+    arrays = given = (q_pe, k_pe, kv_c, positions, slots, kpe_cache, ckv_cache, q_pe_out, None)
+    scalars = plan.latent_key(rope, kv_layout, layer, scale, q_pe_out, backend, cache_format, q_pe)
+    run = plan.lookup(scalars, given)
+    if cache_format is not None:  # one [..., 656] cache: the call's kpe cache is a view of its k_pe part
+        kpe_cache = dsa.ds_mla_kpe("rope_latent_fused", cache_format, ckv_cache, kpe_cache, kv_c, k_pe, scale)
+        arrays = given[:5] + (kpe_cache,) + given[6:]
     if run is None:
         call = validate.check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope,
-                                     kv_layout=kv_layout, layer=layer, scale=scale, q_pe_out=q_pe_out)
+                                     kv_layout=kv_layout, layer=layer, scale=scale, q_pe_out=q_pe_out,
+                                     cache_format=cache_format)
         run = plan.make(call, q_pe, backend).bind(*arrays)
-        plan.remember(scalars, arrays, call, run)
+        plan.remember(scalars, given, call, run)
     q_rot, k_rot, kpe, ckv = run(*arrays)
-    return q_rot, k_rot, ckv, kpe
+    return q_rot, k_rot, ckv, given[5] if cache_format is not None else kpe
+
+
+def rope_indexer_fused(q: Array, k: Array, positions: Array, slots: Array, k_cache: Array, *, rope,
+                       scale_fmt: str | None = None, quant_block_size: int = 128, kv_layout: str | None = None,
+                       layer: int | None = None, q_out: Array | None = None,
+                       backend: str | None = None) -> tuple[Array, Array, Array]:
+    """DeepSeek V3.2's lightning-indexer key cache: rotate q and k, write k quantized at ``slots``, as vLLM's
+    ``indexer_k_quant_and_cache`` writes it. The contract: docs/api.md; the bytes: docs/layouts.md.
+
+    Parameters
+    ----------
+    q : [num_tokens, num_heads, head_dim] (DeepSeek V3.2: 64 heads of 128)
+    k : [num_tokens, head_dim] (or [num_tokens, 1, head_dim]): one key per token, q's dtype
+    positions, slots : as rope_pool_fused
+    k_cache : uint8 ``[num_blocks, block_size, head_dim + 4 * head_dim // 128]`` with ``kv_layout="NHD"``
+        (vLLM's layout; each block contiguous), ``[pool_size, row]`` flat, layer-stacked with ``layer=``
+    rope : RopeSpec or CosSinCache; V3.2's indexer rotates NeoX pairs of the first 64 features
+        (``RopeSpec(head_dim=128, rotary_dim=64, ...)`` with the model's scaling)
+    scale_fmt : {None, "ue8m0"}
+        Each group of 128 stores ``x / s``, ``s = max(amax, 1e-4) / 448`` (float32); ``"ue8m0"`` rounds
+        s up to a power of two, as DeepSeek V3.2 does.
+    quant_block_size : 128, the only group size of the format
+    q_out : torch.Tensor, optional; may be q (in place)
+
+    Returns
+    -------
+    q_rot, k_rot (k's shape), k_cache
+        k_cache updated in place. Torch tensors (any device; the torch path).
+    """
+    given = (q, k, None, positions, slots, k_cache, None, q_out, None)  # no value, no v pool
+    scalars = plan.indexer_key(rope, scale_fmt, quant_block_size, kv_layout, layer, q_out, backend, q)
+    run = plan.lookup(scalars, given)
+    arrays = (q, k, k, positions, slots, k_cache, k_cache, q_out, None)  # the runner's: v's store is "none"
+    if run is None:
+        call = validate.check_indexer(q, k, positions, slots, k_cache, rope=rope, scale_fmt=scale_fmt,
+                                      quant_block_size=quant_block_size, kv_layout=kv_layout, layer=layer, q_out=q_out)
+        run = plan.make(call, q, backend).bind(*arrays)
+        plan.remember(scalars, given, call, run)
+    q_rot, k_rot, cache, _ = run(*arrays)
+    return q_rot, k_rot, cache

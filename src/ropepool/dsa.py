@@ -15,7 +15,7 @@ shapes and dtype names, so the NumPy oracle, PyTorch and MLX share them.
 """
 from __future__ import annotations
 
-from .checks.dtypes import dtype_name
+from .checks.dtypes import dtype_name, framework_of
 from .errors import RopePoolError
 
 E4M3_MAX = 448.0  # the writers divide amax by it (kFp8ScaleDivisor; 224 only on ROCm's fnuz gfx942)
@@ -42,6 +42,38 @@ def indexer_row_bytes(head_dim: int) -> int:
 
 def _last(x) -> int:
     return x.shape[-1]
+
+
+CACHE_FORMATS = (None, "fp8_ds_mla")
+
+
+def ds_mla_kpe(op: str, cache_format, ckv_cache, kpe_cache, kv_c, k_pe, scale):
+    """rope_latent_fused with ``cache_format``: the arguments checked, and the k_pe part of the caller's
+    ``[..., 656]`` cache as a view in k_pe's dtype (the call's kpe cache), or None where the arrays are not
+    torch tensors (validation then says what they are)."""
+    if cache_format not in CACHE_FORMATS:
+        raise RopePoolError(f"{op} cache_format must be None or 'fp8_ds_mla'; got {cache_format!r}. Fix: None "
+                            "writes the caches as given (bf16, fp8 with scale=); 'fp8_ds_mla' writes DeepSeek "
+                            "V3.2's 656-byte rows.")
+    if kpe_cache is not None:
+        raise RopePoolError(f"{op} with cache_format='fp8_ds_mla' writes k_pe inside each row: kpe_cache must be "
+                            f"None; got a {dtype_name(kpe_cache)} array. Fix: pass the one [..., 656] uint8 cache "
+                            "as ckv_cache and kpe_cache=None.")
+    if scale is not None:
+        raise RopePoolError(f"{op} with cache_format='fp8_ds_mla' computes a scale per tile of 128: scale= must be "
+                            "None; got a scale. Fix: drop scale=.")
+    if framework_of(ckv_cache) is None or framework_of(kv_c) is None or framework_of(k_pe) is None:
+        return None
+    check_ds_mla(kv_c, k_pe, ckv_cache)
+    if framework_of(ckv_cache) != "torch":
+        from . import backends
+
+        backends.refuse(framework_of(ckv_cache), "pool.fp8_ds_mla")  # MLX: no views of a byte row
+        return None
+    if ckv_cache.stride(-1) != 1:
+        raise RopePoolError(f"{op} expects each 656-byte fp8_ds_mla row to be contiguous; got a last-dim stride of "
+                            f"{ckv_cache.stride(-1)}. Fix: pass the cache (or a view of whole rows) as allocated.")
+    return ckv_cache[..., DS_MLA_PE_AT:].view(k_pe.dtype)
 
 
 def check_ds_mla(kv_c, k_pe, kv_cache) -> None:
@@ -79,3 +111,12 @@ def check_indexer(op: str, k, k_cache, quant_block_size, scale_fmt) -> None:
                             f"values and {row - head_dim} bytes of float32 scales a row); got "
                             f"{dtype_name(k_cache)} with last dim {_last(k_cache)}. Fix: allocate it as vLLM does, "
                             f"torch.zeros(num_blocks, block_size, {row}, dtype=torch.uint8).")
+
+
+def check_indexer_pages(op: str, k_cache, page_size: int) -> None:
+    """Torch: each page's bytes in one run, as vLLM's kernel addresses them (``block * block_size * row``)."""
+    row = k_cache.shape[-1]
+    if k_cache.stride(-1) != 1 or (page_size > 1 and k_cache.stride(-2) != row):
+        raise RopePoolError(f"{op} expects each page of the indexer cache to be contiguous (its values, then its "
+                            f"scales); got strides {tuple(k_cache.stride())}. Fix: pass the cache as allocated, "
+                            f"[num_blocks, block_size, {row}] uint8 in one piece per block.")

@@ -31,8 +31,9 @@ STORES = frozenset({"pool.scaled", "pool.per_token_head", "q_out.scaled", "k_out
 # Block-quantized (tuple) pools: the torch code and MLX; the Triton kernel NVFP4, unless the call also has an fp8
 # k_out (the kernel quantizes k_rot as returned, read back from k_out) or is traced (the custom op has no tuples).
 BLOCK = frozenset({"pool.nvfp4", "pool.affine", "pool.nvfp4.torch"})
+DSA = frozenset({"pool.fp8_ds_mla", "pool.indexer", "pool.indexer_ue8m0", "pool.none"})  # DeepSeek V3.2's caches
 TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
-ALL = ROTATION | STORES | BLOCK | TORCH
+ALL = ROTATION | STORES | BLOCK | DSA | TORCH
 
 
 def _functional(framework: str, feature: str, names: str = "", name: str = "") -> None:
@@ -45,6 +46,10 @@ def _functional(framework: str, feature: str, names: str = "", name: str = "") -
     if feature == "out":
         raise TypeError(f"q_out/k_out are for torch tensors; got them with {given} inputs. Fix: drop {names} (MLX and "
                         "NumPy calls are functional).")
+    if feature in DSA:
+        raise TypeError(f"DeepSeek V3.2's caches (fp8_ds_mla rows, the indexer's keys) are for torch tensors; got "
+                        f"{given} inputs. Fix: pass torch tensors (the formats are uint8 byte rows that the torch "
+                        "backends write through views; MLX has no views, docs/layouts.md).")
     if feature in ("q_out.scaled", "k_out.scaled"):
         raise RopePoolError(f"{name} is for a float8 {name[0]}_out tensor; got {name} without one. Fix: drop {name} "
                             f"(fp8 outputs are torch tensors passed as {name[0]}_out).")
@@ -113,13 +118,14 @@ def _mlx_why_not(q) -> str | None:
 
 # In order of preference within a framework.
 BACKENDS = (
-    Backend("triton", "torch", ".triton_op", ALL - {"pool.affine", "pool.nvfp4.torch"}, ("cuda",), _triton_why_not),
+    Backend("triton", "torch", ".triton_op", ALL - {"pool.affine", "pool.nvfp4.torch"} - DSA, ("cuda",),
+            _triton_why_not),
     # torch on CPU tensors in fewer passes; per-token-head caches, fp8 outputs, MRoPE, autograd and tracing
     # stay on the general torch code (its fallback too, for calls it declines at run time).
     Backend("torch", "torch", ".torch_cpu", ALL - {"mrope", "pool.per_token_head", "q_out.scaled", "k_out.scaled"}
             - BLOCK - TORCH, ("cpu",), _cpu_why_not, fallback=".torch_eager"),
     Backend("torch", "torch", ".torch_eager", ALL),
-    Backend("mlx", "mlx", ".mlx", ALL - {"pool.per_token_head", "q_out.scaled", "k_out.scaled"} - TORCH,
+    Backend("mlx", "mlx", ".mlx", ALL - {"pool.per_token_head", "q_out.scaled", "k_out.scaled"} - TORCH - DSA,
             why_not=_mlx_why_not, refuse=_functional),
 )
 NAMES = sorted({b.name for b in BACKENDS})

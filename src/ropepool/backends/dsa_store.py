@@ -7,20 +7,27 @@ returns bytes (uint8); where they go in the cache is ``rows_at`` / ``indexer_at`
 """
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 from .. import dsa
+from ..checks.layout import paged_view
 
 FLT_MIN = 1.1754943508222875e-38  # float32's smallest normal: the floor of an fp8_ds_mla tile scale
 
 
-def ds_mla_rows(kv_c, k_pe, ops):
-    """``[N, 656]`` uint8 rows of ``kv_c [N, 512]`` and the rotated ``k_pe [N, 64]`` (both 16-bit)."""
+def ds_mla_head(kv_c, ops):
+    """The first 528 bytes of the fp8_ds_mla rows of ``kv_c [N, 512]``: its e4m3 values, then the 4 scales."""
     n = kv_c.shape[0]
     tiles = ops.f32(kv_c).reshape(n, dsa.DS_MLA_TILES, dsa.DS_MLA_TILE)
     scale = ops.maximum(ops.amax_abs(tiles) / ops.const(dsa.E4M3_MAX, kv_c), ops.const(FLT_MIN, kv_c))
     values = ops.to_e4m3(tiles / scale[..., None]).reshape(n, dsa.DS_MLA_RANK)
-    return ops.cat([values, ops.bytes_of(scale), ops.bytes_of(k_pe.reshape(n, dsa.DS_MLA_PE))])
+    return ops.cat([values, ops.bytes_of(scale)])
+
+
+def ds_mla_rows(kv_c, k_pe, ops):
+    """``[N, 656]`` uint8 rows of ``kv_c [N, 512]`` and the rotated ``k_pe [N, 64]`` (both 16-bit)."""
+    return ops.cat([ds_mla_head(kv_c, ops), ops.bytes_of(k_pe.reshape(kv_c.shape[0], dsa.DS_MLA_PE))])
 
 
 def indexer_rows(k, ue8m0: bool, ops):
@@ -43,6 +50,34 @@ def indexer_at(row, head_dim: int, page_size: int, ops):
     return values, scales
 
 
+def put_ds_mla_head(cache, geom, page, row, kv_c, ops):
+    """Torch: kv_c's values and scales into the first 528 bytes of the cache rows (page, row) of the layout
+    ``geom`` (through views, in place; the rest of each row is the k pool's)."""
+    head = ds_mla_head(kv_c, ops)
+    paged_view(cache[..., :head.shape[1]], geom).index_put_((page, row, row * 0), head)
+
+
+def put_indexer(cache, geom, page, row, values, scales, ops):
+    """Torch: the quantized keys and their scale bytes into pages ``page`` at rows ``row`` (docs/layouts.md)."""
+    rows = paged_view(cache, geom)[..., 0, :]  # [num_pages, page_size, row bytes]: a page, byte by byte
+    width = rows.shape[-1]
+    for at, data in zip(indexer_at(row, values.shape[1], geom.page_size, ops), (values, scales)):
+        rows.index_put_((page[:, None], at // width, at % width), data)
+
+
+FORMATS = ("fp8_ds_mla", "indexer", "indexer_ue8m0", "none")  # the stores.FORMATS written here
+
+
+def put(fmt, pool, geom, page, row, rows):
+    """Torch: the store ``fmt`` of ``rows [N, D]`` (the call's rows written) into ``pool``, in place."""
+    ops = torch_ops()
+    if fmt == "fp8_ds_mla":
+        put_ds_mla_head(pool, geom, page, row, rows, ops)
+    elif fmt != "none":
+        put_indexer(pool, geom, page, row, *indexer_rows(rows, fmt == "indexer_ue8m0", ops), ops)
+
+
+@functools.cache
 def torch_ops():
     import torch
 
@@ -60,6 +95,7 @@ def torch_ops():
     )
 
 
+@functools.cache
 def mlx_ops():
     import mlx.core as mx
 
@@ -72,3 +108,4 @@ def mlx_ops():
         cat=lambda xs: mx.concatenate(xs, axis=-1),
         arange=lambda n, like: mx.arange(n),
     )
+

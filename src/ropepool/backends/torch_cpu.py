@@ -32,7 +32,7 @@ import torch
 
 from ..checks.layout import page_and_row, paged_view
 from ..checks.values import STEP
-from . import arraymath, paths, torch_cpu_compiled
+from . import arraymath, dsa_store, paths, torch_cpu_compiled
 from .torch_arrays import TorchOps, extras
 
 # A block of tokens: about 128K floats (512 KB); of 16K-256K, measured fastest on a
@@ -111,6 +111,8 @@ class Fast:
         self._gain = (None, None)  # gain's key and value
         # fp8 pools (the row takes only "scaled" ones): their bound, and k's and v's scales as float32 tensors
         self.quantized, self.qmax = plan.stores.k_pool.quantized, plan.stores.k_pool.qmax
+        # DeepSeek V3.2's stores of k and v (backends/dsa_store.py), or None: written by dsa_store.put
+        self.dsa = tuple(s.format if s.format in dsa_store.FORMATS else None for s in plan.stores[:2])
         self.scales = (ex.k_scale, ex.v_scale) if self.quantized else (None, None)
         # The one-token lanes: pools of one layer with a head dim, of q's dtype or fp8, no norm, cos/sin of a
         # table of ours; compiled_one_token's any such layout, one_token's (torch ops) flat pools only.
@@ -252,6 +254,10 @@ class Fast:
         bytes copied (index_copy_ has no fp8 kernels)."""
         if keep is not None:
             rows, slots = rows[keep], slots[keep]
+        if self.dsa[scale] is not None:  # one latent head: [T, 1, dim]
+            dsa_store.put(self.dsa[scale], pool, self.call.pool, *page_and_row(slots, self.call.pool.page_size),
+                          rows[:, 0])
+            return
         if self.quantized:
             scale = self.scales[scale]
             rows = arraymath.quantize(rows.float(), scale, self.qmax, self.ops).to(pool.dtype)
@@ -313,7 +319,7 @@ class Fast:
                 # k_rot is ky, every token written, and few tokens: from 256 inductor's scatter is slower
                 # than index_copy_ (measured), below the two ops cost more than the rows.
                 whole = lo >= 0 and self.rot.rotary_dim == k3.shape[2] and q.shape[0] <= _TABLE_TOKENS and \
-                    not self.quantized and not self.strided
+                    not self.quantized and not self.strided and self.dsa == (None, None)
                 written = self.compiled_step(qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole)
         if not written:
             slots = slots.long()  # index_copy_'s index type

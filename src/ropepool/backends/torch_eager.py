@@ -9,7 +9,7 @@ views.
 from __future__ import annotations
 
 from ..checks.layout import page_and_row, paged_view
-from . import arraymath, blockquant
+from . import arraymath, blockquant, dsa_store
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
 
@@ -48,6 +48,9 @@ class Prepared:
             return q_rot, k_rot, k_pool, v_pool
         for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale), (v_pool, v3, st.v_pool, ex.v_scale)):
             rows = rows[write]
+            if store.format in dsa_store.FORMATS:  # DeepSeek V3.2's byte rows (backends/dsa_store.py)
+                dsa_store.put(store.format, pool, call.pool, page, row, rows[:, 0])
+                continue
             if store.format == "per_token_head":  # each row's scale, where the pool keeps the row
                 rows, s = arraymath.quantize_per_token_head(rows.float(), store.qmax, store.integer, ops)
                 paged_view(store.scale_cache[..., None], call.pool).index_put_((page, row), s[..., None])

@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .. import backends
+from .. import backends, dsa
 from ..errors import RopePoolError
 from ..plan.stores import PLAIN, Store, Stores
 from ..rotation.norm import QKNorm
@@ -36,6 +36,7 @@ from .values import check_values
 
 _ARRAYS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool")
 _LATENT_ARRAYS = ("q_pe", "k_pe", "kv_c", "positions", "slots", "ckv_cache", "kpe_cache")
+_INDEXER_ARRAYS = ("q", "k", "positions", "slots", "k_cache")
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,8 +170,10 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
 
 
 def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, rope, kv_layout=None, layer=None,
-                 scale=None, q_pe_out=None, frameworks=("torch", "mlx")) -> Call:
-    """Check a rope_latent_fused call (MLA) in full and describe it as a call with one latent KV head."""
+                 scale=None, q_pe_out=None, cache_format=None, frameworks=("torch", "mlx")) -> Call:
+    """Check a rope_latent_fused call (MLA) in full and describe it as a call with one latent KV head.
+    With ``cache_format="fp8_ds_mla"``, ckv_cache is the whole [..., 656] uint8 cache and kpe_cache the
+    view of its k_pe part (``dsa.ds_mla_kpe``, which has checked the format)."""
     op = "rope_latent_fused"
     fw = _check_types(op, _LATENT_ARRAYS, (q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache), frameworks)
     if fw == "torch":
@@ -198,22 +201,66 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
                             "qk_rope_head_dim.")
     rows = _check_positions(op, positions, slots, T, rotation)
     dt = _check_dtypes(fw, ("q_pe", "k_pe", "kv_c"), (q_pe, k_pe, kv_c), positions, slots)
-    pool = check_pools(op, ("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, layer, kv_layout, 1, rope_dim,
-                        kv_lora_rank, fw, headed=False)
-    fp8 = check_pool_dtypes(("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, dt, fw)
+    ds_mla = cache_format == "fp8_ds_mla"
+    pool = check_pools(op, ("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache[..., :kv_lora_rank] if ds_mla else
+                       ckv_cache, layer, kv_layout, 1, rope_dim, kv_lora_rank, fw, headed=False)
+    fp8 = None if ds_mla else check_pool_dtypes(("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, dt, fw)
     (scale,) = check_pool_scales(("scale",), (scale,), fp8, kpe_cache, q_pe, None)
+    stores = Stores(PLAIN, Store("fp8_ds_mla", "float8_e4m3fn", QMAX["float8_e4m3fn"])) if ds_mla else \
+        Stores(_store(fp8, scale), _store(fp8, scale))
     if fw == "torch":
         check_strides(q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, positions=positions, slots=slots, ckv_cache=ckv_cache,
-                       kpe_cache=kpe_cache)
+                      kpe_cache=kpe_cache)
         check_distinct_pools(("ckv_cache", "kpe_cache"), ckv_cache, kpe_cache)
         _check_out("q_pe_out", q_pe_out, q_pe, None, None)
     elif q_pe_out is not None:
         backends.refuse(fw, "out", names="q_pe_out")
     call = Call(framework=fw, dtype=dt, num_qo_heads=heads, num_kv_heads=1, head_dim=rope_dim,
                 v_head_dim=kv_lora_rank, pool=pool, pool_dtype=dtype_name(kpe_cache), rotation=rotation,
-                position_rows=rows, norm=None, stores=Stores(_store(fp8, scale), _store(fp8, scale)),
+                position_rows=rows, norm=None, stores=stores,
                 host_values=_host_values(fw, positions), latent=True, autograd=_autograd(fw, q_pe, k_pe, kv_c),
                 traced=tracing(fw))
+    if call.host_values:
+        check_host_values(call, positions, slots)
+    return call
+
+
+def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quant_block_size=128, kv_layout=None,
+                  layer=None, q_out=None, frameworks=("torch", "mlx")) -> Call:
+    """Check a rope_indexer_fused call (DeepSeek V3.2's indexer key, ropepool.dsa) and describe it as a call
+    with one KV head whose pool is the uint8 cache and which has no value (its v store is "none")."""
+    op = "rope_indexer_fused"
+    fw = _check_types(op, _INDEXER_ARRAYS, (q, k, positions, slots, k_cache), frameworks)
+    if fw == "torch":
+        _check_devices(op, _INDEXER_ARRAYS + ("q_out",), (q, k, positions, slots, k_cache, q_out))
+    backends.refuse(fw, "pool.indexer")
+    if rope is None:
+        raise TypeError("rope_indexer_fused needs rope=, a RopeSpec or CosSinCache; got None. Fix: DeepSeek V3.2's "
+                        "indexer rotates NeoX pairs of its first 64 features: RopeSpec(head_dim=128, rotary_dim=64, "
+                        "...) with the model's scaling.")
+    T, heads, D = q.shape if q.ndim == 3 else (None, None, None)
+    if q.ndim != 3 or tuple(k.shape) not in ((T, D), (T, 1, D)):
+        raise RopePoolError(f"rope_indexer_fused expects q [T, num_heads, head_dim] and k [T, head_dim] (or [T, 1, "
+                            f"head_dim]); got q {shape_of(q)}, k {shape_of(k)}. Fix: the indexer's q heads and its one "
+                            "key per token, of the same head_dim.")
+    dsa.check_indexer(op, k, k_cache, quant_block_size, scale_fmt)
+    rotation = _resolve_rope(rope, 10000.0, D, q)
+    rows = _check_positions(op, positions, slots, T, rotation)
+    dt = _check_dtypes(fw, ("q", "k"), (q, k), positions, slots)
+    width = k_cache.shape[-1]
+    pool = check_pools(op, ("k_cache", "k_cache"), k_cache, k_cache, layer, kv_layout, 1, width, width, fw,
+                       headed=False)
+    if fw == "torch":
+        check_strides(q=q, k=k, positions=positions, slots=slots, k_cache=k_cache)
+        dsa.check_indexer_pages(op, k_cache, pool.page_size)
+        _check_out("q_out", q_out, q, None, None)
+    elif q_out is not None:
+        backends.refuse(fw, "out", names="q_out")
+    key = Store("indexer_ue8m0" if scale_fmt == "ue8m0" else "indexer", "float8_e4m3fn", QMAX["float8_e4m3fn"])
+    call = Call(framework=fw, dtype=dt, num_qo_heads=heads, num_kv_heads=1, head_dim=D, v_head_dim=D, pool=pool,
+                pool_dtype="uint8", rotation=rotation, position_rows=rows, norm=None,
+                stores=Stores(key, Store("none")), host_values=_host_values(fw, positions), latent=True,
+                autograd=_autograd(fw, q, k), traced=tracing(fw))
     if call.host_values:
         check_host_values(call, positions, slots)
     return call

@@ -54,9 +54,14 @@ def pool_key(head_dim, num_qo_heads, num_kv_heads, rope_base, rope, layer, k_sca
             out_kind(q_out, q), out_kind(k_out, k), backend, qk_norm, q_scale, k_out_scale, scale_key)
 
 
-def latent_key(rope, kv_layout, layer, scale, q_pe_out, backend, q_pe) -> tuple:
+def latent_key(rope, kv_layout, layer, scale, q_pe_out, backend, cache_format, q_pe) -> tuple:
     """rope_latent_fused's layout key, as ``pool_key``."""
-    return ("latent", _rope_key(rope), kv_layout, layer, scale, out_kind(q_pe_out, q_pe), backend)
+    return ("latent", _rope_key(rope), kv_layout, layer, scale, out_kind(q_pe_out, q_pe), backend, cache_format)
+
+
+def indexer_key(rope, scale_fmt, quant_block_size, kv_layout, layer, q_out, backend, q) -> tuple:
+    """rope_indexer_fused's layout key, as ``pool_key``."""
+    return ("indexer", _rope_key(rope), scale_fmt, quant_block_size, kv_layout, layer, out_kind(q_out, q), backend)
 
 
 # --- the torch layout cache --------------------------------------------------------------------
@@ -84,18 +89,20 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
         return None
     if entries and isinstance(arrays[0], _Tensor):
         q, k, v, positions, slots, k_pool, v_pool, q_out, k_out = arrays
-        tensors = arrays[:7] if q_out is None and k_out is None else _guarded(arrays)
+        # None: no such array (DeepSeek V3.2's caches: ropepool.dsa; api.py passes what the call was given)
+        whole = v is not None and k_pool is not None and v_pool is not None
+        tensors = arrays[:7] if whole and q_out is None and k_out is None else _guarded(arrays)
         # The guard leaves every token dim free, each on its own: the counts must agree with q's.
         try:
             T = q.shape[0]
-            if not (k.shape[0] == v.shape[0] == slots.shape[0] == positions.shape[-1] == T) or \
-                    (len(tensors) > 7 and any(x.shape[0] != T for x in tensors[7:])):
+            if not (k.shape[0] == slots.shape[0] == positions.shape[-1] == T) or (v is not None and v.shape[0] != T) \
+                    or any(x.shape[0] != T for x in (q_out, k_out) if x is not None):
                 return None
         except (AttributeError, IndexError, TypeError):  # not arrays: a full check says what is wrong
             return None
         for guard, run, values in entries:
             # The same memory for both pools is the one thing a layout cannot show.
-            if guard.check(*tensors) and k_pool.data_ptr() != v_pool.data_ptr():
+            if guard.check(*tensors) and (not whole or k_pool.data_ptr() != v_pool.data_ptr()):
                 if values is not None:
                     validate.check_host_values(values, positions, slots)
                 return run
@@ -137,8 +144,16 @@ def _guarded(arrays: tuple) -> tuple:
     """The tensors a guard checks: q_out / k_out only where they are not q / k themselves (in place: the
     scalars say so). TensorGuards.check fails on a tensor passed twice, so an in-place call never hit."""
     q, k, q_out, k_out = arrays[0], arrays[1], arrays[7], arrays[8]
-    return tuple(x for x in arrays[:7] if x is not None) + \
-        tuple(x for x, given in ((q_out, q), (k_out, k)) if x is not None and x is not given)
+    head = arrays[:7]
+    if any(x is None for x in head):  # an array the call has not (ropepool.dsa): a stand-in of its own, in place
+        head = tuple(_absent(i) if x is None else x for i, x in enumerate(head))
+    return head + tuple(x for x, given in ((q_out, q), (k_out, k)) if x is not None and x is not given)
+
+
+@functools.cache
+def _absent(i: int):
+    """The stand-in of argument ``i`` where a call has none: the guards check arguments by position."""
+    return sys.modules["torch"].empty(0)
 
 
 def _store(cache: dict, key: tuple, call: validate.Call, value):
