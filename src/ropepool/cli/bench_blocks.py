@@ -288,12 +288,12 @@ def readme_performance(recs: Records) -> str:
 
 @block("cpu-layouts")
 def cpu_layouts(recs: Records, dtype: str = "bfloat16") -> str:
-    """ropepool beside eager PyTorch and torch.compile of the eager code, per pool layout (flat, fp8) and T:
+    """ropepool beside eager PyTorch and torch.compile of the eager code, per pool layout (flat, NHD, fp8) and T:
     each time the median of the newest code's runs, each ratio paired within a run."""
     lines = ["| layout | T | ropepool µs | eager µs | torch.compile µs | eager / ropepool | torch.compile / ropepool |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     used = set()
-    for layout in ("flat", "fp8"):
+    for layout in ("flat", "NHD", "fp8"):
         for t in (1, 16, 256, 4096):
             key = {p: dict(_cpu(p, t, dtype), variant=layout) for p in ("ropepool", "eager", "compiled")}
             if recs.cell(**key["ropepool"]) is None:
