@@ -1,10 +1,10 @@
-"""Host time of small calls (CPU torch, MLX) on two checkouts of ropepool, interleaved: before / after a change.
+"""Host time of small calls (CPU torch, MLX) on checkouts of ropepool, interleaved: before / after a change.
 
-    OMP_NUM_THREADS=1 python3 benchmarks/host_ab.py --before /tmp/before/src --after src [--rounds 9]
-        [--out docs/bench/cpu-mlx-<date>-host-ab.json]
+    OMP_NUM_THREADS=1 python3 benchmarks/host_ab.py --side before=/tmp/before/src --side after=src
+        [--rounds 9] [--out docs/bench/cpu-mlx-<date>-host-ab.json]
 
 Each round runs one fresh process per checkout (``PYTHONPATH`` = that checkout's ``src``), the order
-alternating from round to round, so both see the same periods of a shared machine. A process times each
+rotating from round to round, so all see the same periods of a shared machine. A process times each
 case after a warm-up: ``LOOPS`` loops of ``CALLS`` back-to-back calls with the same arrays (the layout
 cache's hit path: what a decode step pays per layer), each loop's per-call µs a sample. A case's figure is
 the median of its samples over all rounds, with the 10th-90th percentile spread. ``--out`` writes the
@@ -98,8 +98,7 @@ def pct(xs, p):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--before", required=True, help="the src folder of the checkout before the change")
-    p.add_argument("--after", required=True)
+    p.add_argument("--side", action="append", required=True, help="NAME=SRC: a checkout's src folder (2 or more)")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--note", default="")
@@ -108,21 +107,23 @@ def main() -> int:
     if a.out and os.path.exists(a.out):
         p.error(f"{a.out} exists: records are added, never overwritten")
     cases = a.cases.split(",")
-    samples = {side: {c: [] for c in cases} for side in ("before", "after")}
+    sides = dict(s.split("=", 1) for s in a.side)
+    names = list(sides)
+    samples = {side: {c: [] for c in cases} for side in names}
     for r in range(a.rounds):
-        order = ("before", "after") if r % 2 == 0 else ("after", "before")
-        for side in order:
-            for c, xs in run(getattr(a, side), cases).items():
+        for side in names[r % len(names):] + names[:r % len(names)]:
+            for c, xs in run(sides[side], cases).items():
                 samples[side][c].extend(xs)
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
     rows = []
     for c in cases:
-        for side in ("before", "after"):
+        for side in names:
             xs = samples[side][c]
-            rows.append({"case": c, "side": side, "median_us": round(statistics.median(xs), 3),
+            rows.append({"case": c, "side": side, "src": sides[side], "median_us": round(statistics.median(xs), 3),
                          "p10_us": round(pct(xs, 0.1), 3), "p90_us": round(pct(xs, 0.9), 3), "samples": len(xs)})
-        b, f = (statistics.median(samples[s][c]) for s in ("before", "after"))
-        print(f"{c:<22} before {b:8.2f} us   after {f:8.2f} us   after/before {f / b:.3f}")
+        first = statistics.median(samples[names[0]][c])
+        print(f"{c:<22} " + "   ".join(f"{s} {statistics.median(samples[s][c]):8.2f} us "
+                                         f"({statistics.median(samples[s][c]) / first:.3f}x)" for s in names))
     if a.out:
         import numpy
         versions = {"python": platform.python_version(), "numpy": numpy.__version__}
@@ -134,8 +135,9 @@ def main() -> int:
                 pass
         env = {"date": __import__("datetime").date.today().isoformat(), "machine": platform.machine(),
                "cpu": platform.processor() or platform.machine(), **versions,
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, cwd=a.after).stdout.strip(),
+               "sides": {n: {"src": src, "commit": subprocess.run(
+                   ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=src).stdout.strip()}
+                   for n, src in sides.items()},
                "threads": 1, "rounds": a.rounds, "note": a.note}
         with open(a.out, "x") as f:
             json.dump({"env": env, "ab_rows": rows}, f, indent=1)
