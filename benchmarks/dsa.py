@@ -40,6 +40,9 @@ INDEXER_ROPE = ropepool.RopeSpec(head_dim=128, rotary_dim=64, max_position_embed
 GEOMETRIES = {"ds_mla": {"dsv32-tp8": 16}, "indexer": {"dsv32": 64}}  # q heads
 BLOCK = 64  # FlashMLA's sparse block size
 MAX_POS = 4096
+# Runs with ROPEPOOL_CPU_COMPILE=off (ropepool's CPU path without its inductor-compiled rotation) are cells of
+# their own: the geometry's name says so.
+LABEL = "-compile-off" if torch_cpu_compiled.mode() == "off" else ""
 
 
 def table(spec):
@@ -166,7 +169,7 @@ def run(tokens, rounds, pool_blocks):
                         times[name].append((time.process_time_ns() - t) / 1e3 / n[name])
                 for name, us in times.items():
                     q1, med, q3 = np.percentile(us, [25, 50, 75])
-                    rows.append({"feature": feature, "geometry": geometry, "tokens": T, "provider": name,
+                    rows.append({"feature": feature, "geometry": geometry + LABEL, "tokens": T, "provider": name,
                                  "mode": "eager", "us": med, "spread_pct": 100 * (q3 - q1) / med, "rounds": us})
                     print(f"{feature} {geometry} T={T} {name}: {med:.1f} us (IQR {100 * (q3 - q1) / med:.1f}%)")
     return rows
