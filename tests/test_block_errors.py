@@ -69,13 +69,14 @@ CASES = {
                             "k_scale/v_scale are for float8 pools"),
     "with-scale-caches": (affine_cache(), affine_cache(), {"k_scale_cache": torch.ones(8, H),
                           "v_scale_cache": torch.ones(8, H)}, ValueError, "k_scale_cache/v_scale_cache are for int8"),
-    "triton-affine": (affine_cache(), affine_cache(), {"backend": "triton"}, ValueError,  # NVFP4 only there
-                      "backend 'triton' cannot run this call: it does not take ['pool.affine']"),
     # The kernel quantizes k_rot read back from k_out: not from an fp8 k_out (the torch code takes it).
     "triton-nvfp4-fp8-k-out": (nvfp4_cache(), nvfp4_cache(), {**G, "backend": "triton", "k_scale": 1.0,
                                "k_out": torch.empty(T, H, D, dtype=torch.float8_e4m3fn), "k_out_scale": 1.0},
                                ValueError, "backend 'triton' cannot run this call: it does not take "
-                               "['pool.nvfp4.torch']"),
+                               "['pool.block.torch']"),
+    "triton-affine-fp8-k-out": (affine_cache(), affine_cache(), {"backend": "triton", "k_out": torch.empty(
+                                T, H, D, dtype=torch.float8_e4m3fn), "k_out_scale": 1.0}, ValueError,
+                                "backend 'triton' cannot run this call: it does not take ['pool.block.torch']"),
 }
 
 

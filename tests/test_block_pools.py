@@ -12,8 +12,8 @@ array of both caches:
 - k_rot and q_rot agree with the oracle's rotation (the dtype's rounding);
 - rows no token names (negative slots, other slots, other layers) keep their bytes.
 
-Backends: the torch code and MLX (both formats), the Triton kernel (NVFP4; on the CPU under
-TRITON_INTERPRET=1, as conftest sets it).
+Backends: the torch code, MLX and the Triton kernel (on the CPU under TRITON_INTERPRET=1, as conftest
+sets it), each both formats.
 """
 from __future__ import annotations
 
@@ -89,9 +89,7 @@ def engine_rows(fmt, rows, scale):
     return port.mlx_affine_rows(rows, FORMATS[fmt], G)
 
 
-# The Triton kernel writes NVFP4 (not the affine format: such calls go to the torch code).
-CASES = [(b, f, lay, dt) for b in BACKENDS for f in FORMATS for lay in LAYOUTS for dt in ("bfloat16", "float16")
-         if b != "triton" or f == "nvfp4"]
+CASES = [(b, f, lay, dt) for b in BACKENDS for f in FORMATS for lay in LAYOUTS for dt in ("bfloat16", "float16")]
 
 
 @pytest.mark.parametrize("backend,fmt,layout,dtype", [pytest.param(*c, id="-".join(c)) for c in CASES],
@@ -167,3 +165,31 @@ def test_nvfp4_into_flashinfer_stacked_cache_views(backend):
         port.fi_append_slot_mapping(rows.cpu(), slots.cpu(), want_data[:, half], want_sf[:, half], scale)
     assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
     assert torch.equal(sf.view(torch.uint8), want_sf.view(torch.uint8))
+
+
+# (bits, group_size, head_dim, kv_layout): every group size mx.quantize has; 96 features pad the kernel's row
+# tile to 128 (a group wholly outside the row).
+AFFINE_SHAPES = [(4, 64, 128, None), (8, 128, 128, "NHD"), (4, 32, 96, "HND"), (8, 32, 96, None)]
+
+
+@pytest.mark.parametrize("bits,group,dim,kv_layout", AFFINE_SHAPES)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_affine_group_sizes(backend, bits, group, dim, kv_layout):
+    """Affine pools of each group size and a head_dim that is no power of two: every byte of both caches as
+    ``mx.quantize`` of the returned k_rot and of v, scattered (5 tokens, two of them skipped)."""
+    pytest.importorskip("mlx.core")
+    fw = backend.framework
+    rng = np.random.default_rng(bits * 1000 + group + dim)
+    T, page_size = 5, 1 if kv_layout is None else 4
+    q, k, v = (randn(rng, T, h, dim, dtype="float16", scale=3.0) for h in (HQ, H, H))
+    positions, slots = make_positions(rng, T), make_slots(rng, T, 16)
+    specs = ((dim * bits // 32, np.uint32), (dim // group, np.float16), (dim // group, np.float16))
+    k0, v0 = ([random_bytes(rng, pool_shape(kv_layout, page_size, None, n), t) for n, t in specs] for _ in "kv")
+    _, k_rot, kp, vp = ropepool.rope_pool_fused(
+        *(to_fw(a, fw) for a in (q, k, v, positions, slots)), tuple(to_fw(a, fw) for a in k0),
+        tuple(to_fw(a, fw) for a in v0), head_dim=dim, num_qo_heads=HQ, num_kv_heads=H, kv_layout=kv_layout,
+        backend=backend.name)
+    for cache, got, start, rows in (("k", kp, k0, to_np(k_rot, k)), ("v", vp, v0, v)):
+        want = [port.scatter(p, r, slots, kv_layout) for p, r in zip(start, port.mlx_affine_rows(rows, bits, group))]
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_bits(f"{cache}_pool[{i}]", to_np(g, w), w)

@@ -28,9 +28,9 @@ from ..errors import RopePoolError
 # Every feature a plan may use (plan.build): the rotation's, the stores' (stores.feature) and the torch call's.
 ROTATION = frozenset({"norm", "mrope", "table", "longrope", "latent"})
 STORES = frozenset({"pool.scaled", "pool.per_token_head", "q_out.scaled", "k_out.scaled"})
-# Block-quantized (tuple) pools: the torch code and MLX; the Triton kernel NVFP4, unless the call also has an fp8
-# k_out (the kernel quantizes k_rot as returned, read back from k_out) or is traced (the custom op has no tuples).
-BLOCK = frozenset({"pool.nvfp4", "pool.affine", "pool.nvfp4.torch"})
+# Block-quantized (tuple) pools: the torch code, MLX and the Triton kernel, unless the call also has an fp8 k_out
+# (the kernel quantizes k_rot as returned, read back from k_out) or is traced (the custom op has no tuples).
+BLOCK = frozenset({"pool.nvfp4", "pool.affine", "pool.block.torch"})
 DSA = frozenset({"pool.fp8_ds_mla", "pool.indexer", "pool.indexer_ue8m0", "pool.none"})  # DeepSeek V3.2's caches
 TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
 ALL = ROTATION | STORES | BLOCK | DSA | TORCH
@@ -118,7 +118,7 @@ def _mlx_why_not(q) -> str | None:
 
 # In order of preference within a framework.
 BACKENDS = (
-    Backend("triton", "torch", ".triton_op", ALL - {"pool.affine", "pool.nvfp4.torch"} - DSA, ("cuda",),
+    Backend("triton", "torch", ".triton_op", ALL - {"pool.block.torch"} - DSA, ("cuda",),
             _triton_why_not),
     # torch on CPU tensors in fewer passes; per-token-head caches, fp8 outputs, MRoPE, autograd and tracing
     # stay on the general torch code (its fallback too, for calls it declines at run time).

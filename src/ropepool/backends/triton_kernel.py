@@ -12,7 +12,9 @@ norm (a head_dim reduction on the row already in registers), MRoPE (each
 frequency picks one of three position rows), the engine's cos/sin table
 instead of computed angles, fp8 pools and fp8 q/k outputs, per-token-head
 scales (``PTH``: each written row's amax gives its scale, vLLM's
-int8/fp8_per_token_head), a latent head of another width (MLA's ``DV``).
+int8/fp8_per_token_head), block-quantized pools (``NVFP4``; ``AFFINE``, the
+code width of mx.quantize's format, and its ``GROUP``), a latent head of
+another width (MLA's ``DV``).
 cos/sin are computed once per (token, frequency) and reused for every head,
 accurately at any angle (``_cos_sin``).
 
@@ -219,15 +221,70 @@ def _nvfp4_store(row, sf_row, x, g, mask, DV: tl.constexpr, BLOCK_DV: tl.constex
     tl.store(sf_row + b, sf_bits, mask=mask & (b < DV // 16))
 
 
+@triton.jit
+def _rint(x):
+    """float32 ``x`` rounded to the nearest integer, ties to even (``rint``, as mx.quantize rounds): the floor
+    and the fraction are exact, the parity is read in float (codes past 2^31 at a 1e-7 scale)."""
+    f = tl.floor(x)
+    d = x - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    return f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+
+@triton.jit
+def _to_elements(x, ptr):
+    """float32 ``x`` in ptr's dtype, rounded to nearest even. To bfloat16 by hand: the CPU interpreter's cast
+    truncates (Triton 3.9, even with fp_downcast_rounding="rtne"); the rounded float32 then casts exactly."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        x = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _affine_store(row, s_row, b_row, x, mask, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BITS: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """mx.quantize's affine format of float32 rows ``x [heads, BLOCK_DV]``: per group a scale and a bias (the
+    edge of larger magnitude exact) at ``s_row``, ``b_row`` in their dtype; codes ``rint((x - bias) / scale)``
+    in [0, 2^BITS - 1], ``32 // BITS`` a word at ``row``, element k at bit k * BITS (reference_quant.py).
+    Every quotient is IEEE-rounded (``div_rn``), as the CPU's."""
+    NG: tl.constexpr = BLOCK_DV // GROUP
+    PER: tl.constexpr = 32 // BITS
+    xg = tl.reshape(x, [x.shape[0], NG, GROUP])
+    w_max = tl.max(xg, 2)
+    w_min = tl.min(xg, 2)
+    n_bins = tl.full(w_max.shape, (1 << BITS) - 1, tl.float32)
+    use_min = tl.abs(w_min) > tl.abs(w_max)
+    scale = tl.maximum(tl.div_rn(w_max - w_min, n_bins), 1e-7)
+    scale = tl.where(use_min, scale, -scale)
+    edge = tl.where(use_min, w_min, w_max)
+    q0 = _rint(tl.div_rn(edge, scale))
+    nonzero = q0 != 0.0
+    scale = tl.where(nonzero, tl.div_rn(edge, tl.where(nonzero, q0, 1.0)), scale)
+    bias = tl.where(nonzero, edge, 0.0)
+    q = _rint(tl.div_rn(xg - tl.broadcast_to(bias[:, :, None], xg.shape), tl.broadcast_to(scale[:, :, None], xg.shape)))
+    q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int64)
+    shifts = (tl.arange(0, PER) * BITS).to(tl.int64)[None, None, :]
+    words = tl.sum(tl.reshape(q, [x.shape[0], BLOCK_DV // PER, PER]) << shifts, 2)  # disjoint bits: sum = or
+    c = tl.arange(0, BLOCK_DV // PER)[None, :]
+    tl.store(row + c, words.to(tl.int32), mask=mask & (c < DV // PER))  # (the uint32 words seen as int32)
+    b = tl.arange(0, NG)[None, :]
+    tl.store(s_row + b, _to_elements(scale, s_row), mask=mask & (b < DV // GROUP))
+    tl.store(b_row + b, _to_elements(bias, b_row), mask=mask & (b < DV // GROUP))
+
+
 @triton.jit(do_not_specialize=["pool_size", "pos_row_stride"])
 def rope_pool_kernel(
     q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, table, use_long, q_weight, k_weight,
-    k_scale_ptr, v_scale_ptr, q_scale_ptr, ko_scale_ptr, ks_cache, vs_cache, pool_size, pos_row_stride,
+    k_scale_ptr, v_scale_ptr, q_scale_ptr, ko_scale_ptr, ks_cache, vs_cache, kb_cache, vb_cache, pool_size,
+    pos_row_stride,
     Q_ST: tl.constexpr, Q_SH: tl.constexpr, K_ST: tl.constexpr, K_SH: tl.constexpr,
     V_ST: tl.constexpr, V_SH: tl.constexpr, QO_ST: tl.constexpr, QO_SH: tl.constexpr,
     KO_ST: tl.constexpr, KO_SH: tl.constexpr, KP_PAGE: tl.constexpr, KP_ROW: tl.constexpr, KP_SH: tl.constexpr,
     VP_PAGE: tl.constexpr, VP_ROW: tl.constexpr, VP_SH: tl.constexpr, KS_PAGE: tl.constexpr, KS_ROW: tl.constexpr,
-    KS_SH: tl.constexpr, VS_PAGE: tl.constexpr, VS_ROW: tl.constexpr, VS_SH: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    KS_SH: tl.constexpr, VS_PAGE: tl.constexpr, VS_ROW: tl.constexpr, VS_SH: tl.constexpr, KB_PAGE: tl.constexpr,
+    KB_ROW: tl.constexpr, KB_SH: tl.constexpr, VB_PAGE: tl.constexpr, VB_ROW: tl.constexpr, VB_SH: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     TABLE_ST: tl.constexpr, MAX_POSITION: tl.constexpr, ATTENTION_SCALING: tl.constexpr, NUM_KV: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr, BHQ: tl.constexpr, BHKV: tl.constexpr,
@@ -237,7 +294,7 @@ def rope_pool_kernel(
     NORM: tl.constexpr, Q_W: tl.constexpr, K_W: tl.constexpr, EPS: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
     Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, PTH: tl.constexpr,
-    NVFP4: tl.constexpr,
+    NVFP4: tl.constexpr, AFFINE: tl.constexpr, GROUP: tl.constexpr,
 ):
     # Tiles are [head, feature]. HQ and HKV are the heads of one program:
     # program (t, g) takes heads g * HQ ... of q and g * HKV ... of k and v
@@ -363,13 +420,20 @@ def rope_pool_kernel(
     kp_row = k_pool + page * KP_PAGE + in_page * KP_ROW + kv_head * KP_SH
     vp_row = v_pool + page * VP_PAGE + in_page * VP_ROW + kv_head * VP_SH
     mkw = (hk < p_heads) & (kv_head < NUM_KV)
-    if NVFP4:  # blocks of 16 over the whole row: read k_rot back as returned (k's dtype) once it is stored
+    if NVFP4 or AFFINE:  # blocks over the whole row: read k_rot back as returned (k's dtype) once it is stored
         tl.debug_barrier()
         k_row_out = tl.load(ko_row + dv, mask=mkh & (dv < DV), other=0.0).to(tl.float32)
+        v_row = tl.where(dv < DV, vals.to(tl.float32), 0.0)
         ks_row = ks_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH
         vs_row = vs_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH
-        _nvfp4_store(kp_row, ks_row, k_row_out, k_scale, mkw, DV, BLOCK_DV)
-        _nvfp4_store(vp_row, vs_row, tl.where(dv < DV, vals.to(tl.float32), 0.0), v_scale, mkw, DV, BLOCK_DV)
+        if NVFP4:
+            _nvfp4_store(kp_row, ks_row, k_row_out, k_scale, mkw, DV, BLOCK_DV)
+            _nvfp4_store(vp_row, vs_row, v_row, v_scale, mkw, DV, BLOCK_DV)
+        else:  # AFFINE: the code width; the words are int32 views of the caller's uint32
+            kb_row = kb_cache + page * KB_PAGE + in_page * KB_ROW + kv_head * KB_SH
+            vb_row = vb_cache + page * VB_PAGE + in_page * VB_ROW + kv_head * VB_SH
+            _affine_store(kp_row, ks_row, kb_row, k_row_out, mkw, DV, BLOCK_DV, AFFINE, GROUP)
+            _affine_store(vp_row, vs_row, vb_row, v_row, mkw, DV, BLOCK_DV, AFFINE, GROUP)
     else:
         if PTH:  # each (token, head) row's scale, stored where the pool keeps the row; the rows take its reciprocal
             ks, k_scale = _pth_scale(tl.maximum(tl.maximum(_absmax(k1), _absmax(k2)), _absmax(k_pass)), FP8_MAX)

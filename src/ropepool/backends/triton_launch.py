@@ -51,7 +51,7 @@ class Launch:
         never changes, so their pointers are read once) and where LongRoPE switches factors. The engine's
         table is kept as ``table_ref`` (weak), the scale caches as ``scale_views`` (a function making their
         views per call from weak references): the layout cache keeps this runner, not the caller's arrays."""
-        self.extras, self.long_from = (extras[0], None, *extras[2:8], None, None), long_from
+        self.extras, self.long_from = extras._replace(table=None, k_scale_cache=None, v_scale_cache=None), long_from
         self.table_ref, self.scale_views = table_ref, scale_views
         if fixed:
             self.more = _more_pointers(extras, None)
@@ -82,9 +82,10 @@ class Launch:
             if extras is None:
                 extras, use_long = self.extras, long_factors(positions, self.long_from)
                 if self.table_ref is not None:
-                    extras = (extras[0], self.table_ref(), *extras[2:])
+                    extras = extras._replace(table=self.table_ref())
                 if self.scale_views is not None:
-                    extras = (*extras[:8], *self.scale_views())
+                    k_sc, v_sc = self.scale_views()
+                    extras = extras._replace(k_scale_cache=k_sc, v_scale_cache=v_sc)
             self.launch(T, large, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras)
         return q_out, k_out, k_pool, v_pool
 
@@ -161,8 +162,7 @@ def long_factors(positions, long_from):
 
 
 def _more_pointers(extras, use_long) -> tuple:
-    """freqs, table, use_long, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale, k_scale_cache,
-    v_scale_cache as pointers."""
+    """freqs, table, use_long, then plan.Extras' others in their order, as pointers."""
     return tuple(None if x is None else x.data_ptr() for x in (extras[0], extras[1], use_long, *extras[2:]))
 
 

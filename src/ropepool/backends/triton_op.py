@@ -30,11 +30,12 @@ from .triton_launch import CONSTEXPRS, MAX_ENTRIES, Launch, long_factors
 #   Q_/K_/V_/QO_/KO_ + ST, SH: q, k, v, q_out, k_out per token (ST) and per head (SH; 0 for MLA's one head);
 #   KP_/VP_ + PAGE, ROW, SH: the k and v pools seen as [pages, page_size, heads, dim] (layout.paged_view)
 #     per page, per row of a page (slot % page_size) and per head;
-#   KS_/VS_ + PAGE, ROW, SH: the per-token-head scale caches, the same view without the last dim;
+#   KS_/VS_ + PAGE, ROW, SH: the per-token-head scale caches, the same view without the last dim (block pools:
+#     their scales' view); KB_/VB_: the affine pools' biases';
 #   TABLE_ST: the engine's cos/sin table per position.
 _STRIDES = ("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "KO_ST", "KO_SH",
             "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH", "TABLE_ST", "KS_PAGE", "KS_ROW", "KS_SH",
-            "VS_PAGE", "VS_ROW", "VS_SH")
+            "VS_PAGE", "VS_ROW", "VS_SH", "KB_PAGE", "KB_ROW", "KB_SH", "VB_PAGE", "VB_ROW", "VB_SH")
 _FLOAT_FEATURES = ("FP8_MAX", "Q_FP8_MAX", "K_FP8_MAX", "ATTENTION_SCALING", "EPS", "WEIGHT_OFFSET")
 _INT_FEATURES = tuple(n for n in CONSTEXPRS if n not in _STRIDES and n not in _FLOAT_FEATURES)
 # Bounds: plain data (no caller tensor); past its bound it is emptied and refilled.
@@ -110,6 +111,7 @@ def _features(plan, split: int) -> dict:
         FP8="pool.scaled" in features, K_PER_HEAD=_numel(st.k_pool.scale) > 1,
         V_PER_HEAD=_numel(st.v_pool.scale) > 1, Q_FP8="q_out.scaled" in features, K_FP8="k_out.scaled" in features,
         PTH="pool.per_token_head" in features, NVFP4="pool.nvfp4" in features,
+        AFFINE=st.k_pool.bits if "pool.affine" in features else 0, GROUP=st.k_pool.group,
     )
     ints = {n: int(c[n]) for n in _INT_FEATURES}  # bools as ints: one spelling, one compiled kernel
     eps, offset = (1.0, 0.0) if norm is None else (norm.eps, norm.weight_offset)
@@ -165,9 +167,10 @@ class Launcher:
         return launcher
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None, table=None,
-             scale_caches=(None, None)):
+             scale_caches=(None, None, None, None)):
         """The runner for this layout (outputs not given will be new contiguous tensors). ``scale_caches``:
-        per-token-head scales as 4-D NHD views of the layer written (Prepared.extras)."""
+        the scale caches, then the bias caches, of plan.Extras as 4-D NHD views of the layer written
+        (Prepared.extras)."""
         layer, kv_layout, headed = self.where
         geom = pool_geometry(k_pool.shape, None if layer < 0 else layer, kv_layout or None, bool(headed))
         kp, vp = paged_view(k_pool, geom), paged_view(v_pool, geom)
@@ -216,7 +219,8 @@ class Prepared:
         if got is None:
             got = self._extras[device] = extras(self.plan.fixed, device)
         table = self.call.rotation.table  # held weakly (spec.Rotation), as the scale caches: never kept here
-        return (got[0], table, *got[2:8], *_scale_views(self.plan))
+        k_sc, v_sc = _scale_views(self.plan)
+        return got._replace(table=table, k_scale_cache=k_sc, v_scale_cache=v_sc)
 
     def fixed_pointers(self) -> bool:
         """Whether the kernel's extra tensors are all ropepool's own or the engine's table, whose memory
@@ -228,8 +232,8 @@ class Prepared:
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         """The runner for calls laid out like these arrays (under torch.compile: one that calls the op)."""
-        if "pool.nvfp4" in self.plan.features:
-            return self.nvfp4_run
+        if "pool.nvfp4" in self.plan.features or "pool.affine" in self.plan.features:
+            return self.block_run
         for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
             if pool.stride(-1) != 1 and pool.shape[-1] > 1:  # the kernel stores each head's row as one run
                 raise RopePoolError(f"backend 'triton' writes pools whose head dim is contiguous; got {name} with "
@@ -256,34 +260,43 @@ class Prepared:
         return run
 
 
-    def nvfp4_run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
-        """A call into NVFP4 pools ``(data, block_scales)``: the block scales ride where per-token-head scale
-        caches do (4-D NHD views, read as bytes); no direct launch (the caller's arrays change per call)."""
-        (kd, ksf), (vd, vsf) = k_pool, v_pool
-        views = tuple(paged_view(x.view(torch.uint8), self.call.pool) for x in (ksf, vsf))
+    def block_run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
+        """A call into block-quantized pools: NVFP4's ``(data, block_scales)`` or the affine ``(words, scales,
+        biases)``. The scales ride where per-token-head scale caches do, the biases in the bias caches (4-D NHD
+        views; NVFP4's e4m3 scales read as bytes, the affine uint32 words written as int32); no direct launch
+        (the caller's arrays change per call)."""
+        (kd, *k_parts), (vd, *v_parts) = k_pool, v_pool
+        if kd.dtype == torch.uint32:
+            kd, vd = kd.view(torch.int32), vd.view(torch.int32)
+        views = [paged_view(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x, self.call.pool)
+                 for x in (*k_parts, *v_parts)]
+        extras = self.extras(q.device)._replace(k_scale_cache=views[0], v_scale_cache=views[len(k_parts)])
+        if len(k_parts) == 2:
+            extras = extras._replace(k_bias_cache=views[1], v_bias_cache=views[3])
         rot = self.call.rotation
-        launch = self.launcher.bind(q, k, v, positions, slots, kd, vd, q_out, k_out, rot.table, views)
+        launch = self.launcher.bind(q, k, v, positions, slots, kd, vd, q_out, k_out, rot.table, extras[8:])
         long_from = rot.long_from if "longrope" in self.plan.features else None
         q_out, k_out, _, _ = launch(q, k, v, positions, slots, kd, vd, q_out, k_out, long_factors(positions, long_from),
-                                    (*self.extras(q.device)[:8], *views))
+                                    extras)
         return q_out, k_out, k_pool, v_pool
 
 
 @torch.library.custom_op("ropepool::rope_pool", mutates_args=("q_out", "k_out", "k_pool", "v_pool", "k_scale_cache",
-                                                             "v_scale_cache"))
+                                                             "v_scale_cache", "k_bias_cache", "v_bias_cache"))
 def rope_pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  k_pool: torch.Tensor, v_pool: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
                  use_long: Optional[torch.Tensor], freqs: Optional[torch.Tensor], table: Optional[torch.Tensor],
                  q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],
                  k_out_scale: Optional[torch.Tensor], k_scale_cache: Optional[torch.Tensor],
-                 v_scale_cache: Optional[torch.Tensor], small: List[int], large: List[int], floats: List[float],
+                 v_scale_cache: Optional[torch.Tensor], k_bias_cache: Optional[torch.Tensor],
+                 v_bias_cache: Optional[torch.Tensor], small: List[int], large: List[int], floats: List[float],
                  ints: List[int], kv_layout: str) -> None:
     launcher = Launcher.from_args(small, large, floats, ints, kv_layout)
-    launch = launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, table,
-                           (k_scale_cache, v_scale_cache))
+    caches = (k_scale_cache, v_scale_cache, k_bias_cache, v_bias_cache)
+    launch = launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, table, caches)
     launch(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long,
-           (freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale, k_scale_cache, v_scale_cache))
+           (freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale, *caches))
 
 
 @rope_pool_op.register_fake

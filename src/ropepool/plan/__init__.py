@@ -54,8 +54,10 @@ class Extras(NamedTuple):
     v_scale: Any = None
     q_scale: Any = None
     k_out_scale: Any = None
-    k_scale_cache: Any = None  # per-token-head scale caches (held weakly)
+    k_scale_cache: Any = None  # per-token-head scale caches (held weakly); Triton: block pools' scales
     v_scale_cache: Any = None
+    k_bias_cache: Any = None  # Triton: affine pools' biases (block pools' arrays are the call's, given per call)
+    v_bias_cache: Any = None
 
 
 EXTRAS = Extras._fields
@@ -85,7 +87,7 @@ def build(call: validate.Call) -> Plan:
     used = {"norm": norm is not None, "mrope": call.position_rows == 3, "table": rot.table_ref is not None,
             "longrope": rot.long_from is not None and rot.table_ref is None, "latent": call.latent,
             "autograd": call.autograd, "traced": call.traced,
-            "pool.nvfp4.torch": st.k_pool.format == "nvfp4" and (st.k_out.quantized or call.traced)}
+            "pool.block.torch": st.k_pool.format in ("nvfp4", "affine") and (st.k_out.quantized or call.traced)}
     features = frozenset([f for f, on in used.items() if on] +
                          [f for f in map(feature, DESTINATIONS, st) if f is not None])
     qw, kw = (None, None) if norm is None else norm.weights
