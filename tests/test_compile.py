@@ -117,3 +117,39 @@ def test_compile_per_token_head(name, rng):
     for what, g, w in zip(names, (*got, *copies), (*want, *written)):
         assert_same_bits(f"{what}: compiled vs eager", X.numpy(g), X.numpy(w))
     assert written[2].abs().sum() > 0, "scales were written"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "affine4", "affine8"])
+def test_compile_block_pools(fmt, rng):
+    """Block-quantized (tuple) pools under torch.compile(fullgraph=True): traced calls go to the torch code
+    (the custom op takes no tuples); compiled == eager, every array of both caches bit for bit, and the
+    written slots changed."""
+    T, Hq, Hkv, D, P = 5, 4, 2, 64, 16
+    kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, kv_layout="NHD")
+    if fmt == "nvfp4":
+        kw.update(k_scale=0.25, v_scale=0.5)
+        parts = ((D // 2, torch.uint8), (D // 16, torch.float8_e4m3fn))
+    else:
+        bits = int(fmt[-1])
+        parts = ((D * bits // 32, torch.uint32), (D // 32, torch.bfloat16), (D // 32, torch.bfloat16))
+
+    def step(q, k, v, pos, slots, kp, vp):
+        return ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, **kw)[:2]
+
+    arrays = [torch.from_numpy(randn(rng, T, h, D, scale=3.0)).bfloat16() for h in (Hq, Hkv, Hkv)] + [
+        torch.from_numpy(a) for a in (make_positions(rng, T), make_slots(rng, T, P))]
+    start = [tuple(torch.from_numpy(rng.integers(0, 256, (P // 4, 4, Hkv, n * dt.itemsize), dtype=np.uint8)).view(dt)
+                   for n, dt in parts) for _ in "kv"]  # random bytes: unwritten rows must keep them
+    eager = [tuple(x.clone() for x in p) for p in start]
+    compiled = [tuple(x.clone() for x in p) for p in start]
+    plan.forget()
+    want = step(*arrays, *eager)
+    plan.forget()
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*arrays, *compiled)
+    for what, g, w in zip(("q_rot", "k_rot"), got, want):
+        assert_same_bits(f"{what}: compiled vs eager", g, w)
+    for cache, g_parts, w_parts, s_parts in zip("kv", compiled, eager, start):
+        for i, (g, w) in enumerate(zip(g_parts, w_parts)):
+            assert_same_bits(f"{cache}_pool[{i}]: compiled vs eager", g.view(torch.uint8), w.view(torch.uint8))
+        assert not torch.equal(w_parts[0].view(torch.uint8), s_parts[0].view(torch.uint8)), "rows were written"

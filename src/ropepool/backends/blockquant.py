@@ -67,11 +67,12 @@ def affine_torch(x32, bits: int, group_size: int, dtype):
     return words, scale.to(dtype), bias.to(dtype)
 
 
-def torch_store(x32, store, global_scale, dtype):
+def torch_store(x32, store, global_scale, dtype, ops):
     """The arrays a block-quantized torch pool (its ``stores.Store``) stores for float32 rows ``x32`` (NVFP4:
-    data and block scales as uint8 bits; affine: words as int32 bits, scales and biases in ``dtype``)."""
+    data and block scales as uint8 bits; affine: words as int32 bits, scales and biases in ``dtype``). ``ops``:
+    ``torch_ops()``, made once by the caller outside traced code (torch.compile cannot trace making it)."""
     if store.format == "nvfp4":
-        return nvfp4(x32, global_scale.reshape(()), torch_ops())
+        return nvfp4(x32, global_scale.reshape(()), ops)
     return affine_torch(x32, store.bits, store.group, dtype)
 
 

@@ -12,6 +12,8 @@ from ..checks.layout import page_and_row, paged_view
 from . import arraymath, blockquant, dsa_store
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
+BLOCK_OPS = blockquant.torch_ops()  # made here, at import: torch.compile cannot trace making the namespace
+
 
 class Prepared:
     def __init__(self, plan):
@@ -43,7 +45,8 @@ class Prepared:
         if st.k_pool.bits:  # block-quantized: each pool a tuple of arrays, each written in place
             for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale),
                                              (v_pool, v3, st.v_pool, ex.v_scale)):
-                for part, stored in zip(pool, blockquant.torch_store(rows[write].float(), store, scale, rows.dtype)):
+                for part, stored in zip(pool, blockquant.torch_store(rows[write].float(), store, scale, rows.dtype,
+                                                                               BLOCK_OPS)):
                     paged_view(part.view(stored.dtype), call.pool).index_put_((page, row), stored)
             return q_rot, k_rot, k_pool, v_pool
         for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale), (v_pool, v3, st.v_pool, ex.v_scale)):
