@@ -221,3 +221,15 @@ def test_static_key_covers_every_rotation_field():
         rot = dataclasses.replace(base.call.rotation, **{f.name: new})
         other = plan.build(dataclasses.replace(base.call, rotation=rot))
         assert other.key != base.key, f"Rotation.{f.name} is not in plan.Plan.key"
+
+
+def test_triton_variants_are_found_by_the_plan_key():
+    """The Triton launcher finds a plan's constexprs by plan.Plan.key: equal keys share them, others do not."""
+    pytest.importorskip("triton")
+    from ropepool.backends import triton_op
+
+    a, b, c = build(), build(), build(rope=RopeSpec(head_dim=D, style="gptj"))
+    assert a.key == b.key and a.key != c.key
+    assert triton_op._variant(a, 1) is triton_op._variant(b, 1)
+    assert triton_op._variant(c, 1) is not triton_op._variant(a, 1)
+    assert triton_op._variant(c, 1)["GPTJ"] == 1 and triton_op._variant(a, 1)["GPTJ"] == 0

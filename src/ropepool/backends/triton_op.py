@@ -40,6 +40,7 @@ _FLOAT_FEATURES = ("FP8_MAX", "Q_FP8_MAX", "K_FP8_MAX", "ATTENTION_SCALING", "EP
 _INT_FEATURES = tuple(n for n in CONSTEXPRS if n not in _STRIDES and n not in _FLOAT_FEATURES)
 # Bounds: plain data (no caller tensor); past its bound it is emptied and refilled.
 _LAUNCHERS: dict = {}  # Launcher.args -> Launcher, for the custom op; MAX_ENTRIES
+_VARIANTS: dict = {}  # (plan.Plan.key, head split) -> the constexprs of that variant (_features); MAX_ENTRIES
 _MAX_BOUND = 64  # layouts a Launcher keeps (Launcher._bound)
 
 
@@ -119,6 +120,18 @@ def _features(plan, split: int) -> dict:
     return {**ints, **dict(zip(_FLOAT_FEATURES, floats))}
 
 
+def _variant(plan, split: int) -> dict:
+    """``_features`` of a plan, found by its static key (``plan.Plan.key``: everything _features reads)."""
+    if "traced" in plan.features:  # under torch.compile: made in the graph, never kept
+        return _features(plan, split)
+    got = _VARIANTS.get((plan.key, split))
+    if got is None:
+        if len(_VARIANTS) >= MAX_ENTRIES:
+            _VARIANTS.clear()
+        got = _VARIANTS[(plan.key, split)] = _features(plan, split)
+    return got
+
+
 def _numel(scale) -> int:
     return scale.numel() if isinstance(scale, torch.Tensor) else 1
 
@@ -142,7 +155,7 @@ class Launcher:
         splits = (tuning.head_split or default_split(call), large_split(call))
         geom = call.pool
         where = (-1 if geom.layer is None else geom.layer, geom.kv_layout or "", int(geom.headed))
-        return cls(*(_features(plan, s) for s in splits), tuning.small_tokens, splits,
+        return cls(*(_variant(plan, s) for s in splits), tuning.small_tokens, splits,
                    tuning.num_warps or default_warps(call, splits[1]), where)
 
     def args(self) -> tuple:

@@ -1,4 +1,4 @@
-"""The small checks every part of validation uses: ints, shapes, strides, where an array lives."""
+"""The small checks every part of validation uses: array types and devices, ints, shapes, strides, places."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,7 +7,7 @@ import numbers
 import numpy as np
 
 from ..errors import RopePoolError
-from .dtypes import framework_of
+from .dtypes import FRAMEWORK_TYPES, framework_of
 
 
 def shape_of(x) -> list:
@@ -68,3 +68,36 @@ def check_strides(**tensors):
                    "pass a view whose last dim is contiguous (any token/head stride is fine)")
             raise RopePoolError(f"{name} must have a contiguous last dim (stride 1); got strides {list(x.stride())}. "
                                 f"Fix: {fix}.")
+
+
+def check_types(op, names, arrays, frameworks) -> str:
+    """The one framework of the call's arrays (raising on any other type, or on two frameworks)."""
+    found = None
+    for name, x in zip(names, arrays):
+        fw = framework_of(x)
+        if fw not in frameworks:
+            allowed = " or ".join(FRAMEWORK_TYPES[f] for f in installed_frameworks(frameworks))
+            given = type(x).__module__ + "." + type(x).__name__ if fw is None else FRAMEWORK_TYPES[fw]
+            hint = convert_hint(arrays, frameworks)
+            raise TypeError(f"{op} expects {name} to be a {allowed}; got {given}. Fix: convert it, e.g. {hint}.")
+        if found is None:
+            found = (name, fw)
+        elif fw != found[1]:
+            raise TypeError(f"{op} expects every array from one framework; got {found[0]} as "
+                            f"{FRAMEWORK_TYPES[found[1]]} and {name} as {FRAMEWORK_TYPES[fw]}. "
+                            "Fix: convert all arrays to the same framework.")
+    return found[1]
+
+
+def check_devices(op, names, tensors):
+    """Every tensor given (None: not given) a torch.Tensor on the first one's device."""
+    dev = tensors[0].device
+    for name, x in zip(names, tensors):
+        if x is None:
+            continue
+        if framework_of(x) != "torch":
+            raise TypeError(f"{op} expects {name} to be a torch.Tensor like {names[0]}; got {type(x).__name__}. "
+                            "Fix: pass a tensor or leave it None.")
+        if x.device != dev:
+            raise TypeError(f"{op} expects every tensor on one device; got {names[0]} on {dev} and {name} on "
+                            f"{x.device}. Fix: move {name} with .to({str(dev)!r}).")

@@ -20,9 +20,9 @@ from ..errors import RopePoolError
 from ..plan.stores import PLAIN, Store, Stores
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache, RopeSpec, Rotation
-from .arrays import check_ints, check_strides, convert_hint, installed_frameworks, reshape_word, same_place, shape_of
+from .arrays import check_devices, check_ints, check_strides, check_types, reshape_word, same_place, shape_of
 from .blocks import check_block_pools, first_array, is_block_pool
-from .dtypes import FLOAT_DTYPES, FP8_DTYPES, FRAMEWORK_TYPES, INDEX_DTYPES, QMAX, dtype_name, framework_of, tracing
+from .dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_name, tracing
 from .layout import PoolGeometry
 from .pools import (
     check_distinct_pools,
@@ -91,9 +91,9 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
     op = "rope_pool_fused"
     # A block-quantized pool (a tuple) is typed by its first array here; checks/blocks.py checks the others.
     kp, vp = first_array(k_pool), first_array(v_pool)
-    fw = _check_types(op, _ARRAYS, (q, k, v, positions, slots, kp, vp), frameworks)
+    fw = check_types(op, _ARRAYS, (q, k, v, positions, slots, kp, vp), frameworks)
     if fw == "torch":
-        _check_devices(op, ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_out", "k_out"),
+        check_devices(op, ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_out", "k_out"),
                        (q, k, v, positions, slots, kp, vp, q_out, k_out))
     head_dim, num_qo_heads, num_kv_heads = check_ints(head_dim=head_dim, num_qo_heads=num_qo_heads,
                                                  num_kv_heads=num_kv_heads)
@@ -175,9 +175,9 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
     With ``cache_format="fp8_ds_mla"``, ckv_cache is the whole [..., 656] uint8 cache and kpe_cache the
     view of its k_pe part (``dsa.ds_mla_kpe``, which has checked the format)."""
     op = "rope_latent_fused"
-    fw = _check_types(op, _LATENT_ARRAYS, (q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache), frameworks)
+    fw = check_types(op, _LATENT_ARRAYS, (q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache), frameworks)
     if fw == "torch":
-        _check_devices(op, _LATENT_ARRAYS + ("q_pe_out",),
+        check_devices(op, _LATENT_ARRAYS + ("q_pe_out",),
                        (q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, q_pe_out))
     if rope is None:
         raise TypeError("rope_latent_fused needs rope=, a RopeSpec or CosSinCache; got None. "
@@ -230,9 +230,9 @@ def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quan
     """Check a rope_indexer_fused call (DeepSeek V3.2's indexer key, ropepool.dsa) and describe it as a call
     with one KV head whose pool is the uint8 cache and which has no value (its v store is "none")."""
     op = "rope_indexer_fused"
-    fw = _check_types(op, _INDEXER_ARRAYS, (q, k, positions, slots, k_cache), frameworks)
+    fw = check_types(op, _INDEXER_ARRAYS, (q, k, positions, slots, k_cache), frameworks)
     if fw == "torch":
-        _check_devices(op, _INDEXER_ARRAYS + ("q_out",), (q, k, positions, slots, k_cache, q_out))
+        check_devices(op, _INDEXER_ARRAYS + ("q_out",), (q, k, positions, slots, k_cache, q_out))
     backends.refuse(fw, "pool.indexer")
     if rope is None:
         raise TypeError("rope_indexer_fused needs rope=, a RopeSpec or CosSinCache; got None. Fix: DeepSeek V3.2's "
@@ -264,39 +264,6 @@ def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quan
     if call.host_values:
         check_host_values(call, positions, slots)
     return call
-
-
-# --- arrays, devices, numbers ------------------------------------------------------------------
-
-def _check_types(op, names, arrays, frameworks) -> str:
-    found = None
-    for name, x in zip(names, arrays):
-        fw = framework_of(x)
-        if fw not in frameworks:
-            allowed = " or ".join(FRAMEWORK_TYPES[f] for f in installed_frameworks(frameworks))
-            given = type(x).__module__ + "." + type(x).__name__ if fw is None else FRAMEWORK_TYPES[fw]
-            hint = convert_hint(arrays, frameworks)
-            raise TypeError(f"{op} expects {name} to be a {allowed}; got {given}. Fix: convert it, e.g. {hint}.")
-        if found is None:
-            found = (name, fw)
-        elif fw != found[1]:
-            raise TypeError(f"{op} expects every array from one framework; got {found[0]} as "
-                            f"{FRAMEWORK_TYPES[found[1]]} and {name} as {FRAMEWORK_TYPES[fw]}. "
-                            "Fix: convert all arrays to the same framework.")
-    return found[1]
-
-
-def _check_devices(op, names, tensors):
-    dev = tensors[0].device
-    for name, x in zip(names, tensors):
-        if x is None:
-            continue
-        if framework_of(x) != "torch":
-            raise TypeError(f"{op} expects {name} to be a torch.Tensor like {names[0]}; got {type(x).__name__}. "
-                            "Fix: pass a tensor or leave it None.")
-        if x.device != dev:
-            raise TypeError(f"{op} expects every tensor on one device; got {names[0]} on {dev} and {name} on "
-                            f"{x.device}. Fix: move {name} with .to({str(dev)!r}).")
 
 
 # --- rotation and positions --------------------------------------------------------------------
