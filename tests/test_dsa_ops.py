@@ -28,17 +28,19 @@ LAYOUTS = {"flat": (None, None, (21,), lambda c: c[:, None]),
            "layers": ("NHD", -1, (2, 3, 8), lambda c: c[-1])}
 
 
-@pytest.fixture(params=["torch", "torch-general"])
+@pytest.fixture(params=["torch", "torch-general", "triton"])
 def backend(request, monkeypatch):
     """The torch backend: on CPU its fast lane (torch_cpu), and (torch-general) the general code, torch_eager,
-    which runs these calls on other devices."""
+    which runs these calls on other devices; the Triton kernel (fp8_ds_mla only; on CPU under its interpreter)."""
     from ropepool import backends, plan
     from tests.harness import backend_for
 
     plan.forget()  # no runner of the other variant from the layout cache
     if request.param == "torch-general":
         monkeypatch.setattr(backends, "BACKENDS", tuple(b for b in backends.BACKENDS if b.module != ".torch_cpu"))
-    return backend_for("torch")
+    if request.param == "triton" and "indexer" in request.node.name:
+        pytest.skip("the Triton kernel does not take the indexer's cache (the torch path runs it on CUDA)")
+    return backend_for(request.param.split("-")[0])
 
 
 def _close(got, want, dtype):

@@ -14,7 +14,9 @@ instead of computed angles, fp8 pools and fp8 q/k outputs, per-token-head
 scales (``PTH``: each written row's amax gives its scale, vLLM's
 int8/fp8_per_token_head), block-quantized pools (``NVFP4``; ``AFFINE``, the
 code width of mx.quantize's format, and its ``GROUP``), a latent head of
-another width (MLA's ``DV``).
+another width (MLA's ``DV``), DeepSeek V3.2's fp8_ds_mla rows (``DS_MLA``:
+the latent's e4m3 tiles and their scales into the uint8 row; k_pe is the
+plain k pool, a view of the row's last bytes).
 cos/sin are computed once per (token, frequency) and reused for every head,
 accurately at any angle (``_cos_sin``).
 
@@ -273,6 +275,25 @@ def _affine_store(row, s_row, b_row, x, mask, DV: tl.constexpr, BLOCK_DV: tl.con
     tl.store(b_row + b, _to_elements(bias, b_row), mask=mask & (b < DV // GROUP))
 
 
+@triton.jit
+def _ds_mla_store(row, x, mask, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """fp8_ds_mla's first 528 bytes of each row (ropepool.dsa): float32 ``x [heads, 512]`` (kv_c) in 4 tiles of
+    128, each stored as e4m3 of ``x / s`` with ``s = max(amax / 448, FLT_MIN)`` (IEEE divisions, as vLLM's
+    concat_and_cache_ds_mla_kernel), then the 4 scales' float32 bytes, little-endian. ``row``: uint8."""
+    xt = tl.reshape(x, [x.shape[0], BLOCK_DV // 128, 128])
+    s = tl.maximum(tl.div_rn(tl.max(tl.abs(xt), 2), tl.full([x.shape[0], BLOCK_DV // 128], 448.0, tl.float32)),
+                   1.1754943508222875e-38)
+    y = tl.div_rn(xt, s[:, :, None])
+    mag_bits, _ = _e4m3(tl.abs(y))  # saturated at 448, nearest even
+    sign = (y.to(tl.uint32, bitcast=True) >> 31).to(tl.uint8)
+    c = tl.arange(0, BLOCK_DV)[None, :]
+    tl.store(row + c, tl.reshape(mag_bits | (sign << 7), [x.shape[0], BLOCK_DV]), mask=mask & (c < DV))
+    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+    sb = ((s.to(tl.uint32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 0xFF).to(tl.uint8)
+    b = tl.arange(0, 4 * (BLOCK_DV // 128))[None, :]
+    tl.store(row + DV + b, tl.reshape(sb, [x.shape[0], 4 * (BLOCK_DV // 128)]), mask=mask & (b < 4 * (DV // 128)))
+
+
 @triton.jit(do_not_specialize=["pool_size", "pos_row_stride"])
 def rope_pool_kernel(
     q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, table, use_long, q_weight, k_weight,
@@ -294,7 +315,7 @@ def rope_pool_kernel(
     NORM: tl.constexpr, Q_W: tl.constexpr, K_W: tl.constexpr, EPS: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
     Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, PTH: tl.constexpr,
-    NVFP4: tl.constexpr, AFFINE: tl.constexpr, GROUP: tl.constexpr,
+    NVFP4: tl.constexpr, AFFINE: tl.constexpr, GROUP: tl.constexpr, DS_MLA: tl.constexpr,
 ):
     # Tiles are [head, feature]. HQ and HKV are the heads of one program:
     # program (t, g) takes heads g * HQ ... of q and g * HKV ... of k and v
@@ -444,4 +465,7 @@ def rope_pool_kernel(
             _store_pairs(kp_row, k1, k2, i, mkw, k_scale, HALF, BLOCK_HALF, GPTJ, POOL_Q, FP8_MAX)
         if ROT < D:
             _store_out(kp_row + j, k_pass, mkw & mj, k_scale, POOL_Q, FP8_MAX)
-        _store_out(vp_row + dv, vals, mkw & (dv < DV), v_scale, POOL_Q, FP8_MAX)
+        if DS_MLA:  # the latent row's values and tile scales; k_pe went to the kpe view above (plain)
+            _ds_mla_store(vp_row, tl.where(dv < DV, vals.to(tl.float32), 0.0), mkw, DV, BLOCK_DV)
+        else:
+            _store_out(vp_row + dv, vals, mkw & (dv < DV), v_scale, POOL_Q, FP8_MAX)

@@ -113,6 +113,7 @@ def _features(plan, split: int) -> dict:
         V_PER_HEAD=_numel(st.v_pool.scale) > 1, Q_FP8="q_out.scaled" in features, K_FP8="k_out.scaled" in features,
         PTH="pool.per_token_head" in features, NVFP4="pool.nvfp4" in features,
         AFFINE=st.k_pool.bits if "pool.affine" in features else 0, GROUP=st.k_pool.group,
+        DS_MLA="pool.fp8_ds_mla" in features,
     )
     ints = {n: int(c[n]) for n in _INT_FEATURES}  # bools as ints: one spelling, one compiled kernel
     eps, offset = (1.0, 0.0) if norm is None else (norm.eps, norm.weight_offset)
