@@ -3,8 +3,8 @@
 vLLM 0.32 reaches a fused RoPE + cache write only through its compilation passes
 (``pass_config.fuse_rope_kvcache``), and those are built for ROCm and CUDA alone: on the
 CPU platform ``PassConfig.__post_init__`` turns them off and the pass manager does not
-import them. So on CPU the plugin routes the unfused pair itself, through two of vLLM's
-public extension points, registered by ``register()`` in every vLLM process:
+import them. So on CPU the plugin routes the unfused pair itself, through vLLM's public
+extension points (and one of torch's), registered by ``register()`` in every vLLM process:
 
 - ``CustomOp.register_oot(name="RotaryEmbedding")``: the model's rotary op becomes
   ``DeferredRotaryEmbedding``. When every attention layer of the running model is served
@@ -25,6 +25,9 @@ public extension points, registered by ``register()`` in every vLLM process:
   either; the attention layer passes the norms' weights as ``qk_norm=`` to the same call, so
   norm, RoPE and write are one ropepool call. Which norms are q/k norms is read when the
   model is built: torch's public module-registration hook sees each ``self.q_norm = ...``.
+- ``register_backend(AttentionBackendEnum.AMX_MLA / CPU_MLA, ...)``: vLLM's CPU MLA backends
+  get an impl whose latent-cache write (``do_kv_cache_update``) makes one ``rope_latent_fused``
+  call with the deferred q_pe / k_pe rotation (DeepSeek V2/V3 shaped models).
 
 A deferred rotation or norm that no ropepool layer takes (a model that changes q or k between
 norm, RoPE and attention) raises instead of running unrotated or unnormalised. Compiled runs (no
@@ -42,16 +45,19 @@ from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend, AMXMLAImpl
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+from ..api import rope_latent_fused
 from ..errors import RopePoolError
 from ..rotation.norm import QKNorm
-from .vllm import rope_and_cache
+from .vllm import _table, rope_and_cache
 
 log = logging.getLogger(__name__)
 ISAS = ("vec", "vec16")  # the cpu_attn_reshape_and_cache layouts probed (tests/engines/test_vllm_engine.py)
 
-# The rotation left for the next attention layer: (key's data pointer, positions, table, is_neox, norms).
+# The rotation left for the next attention layer: (key's data pointer, positions, table, is_neox, norms, query).
 _pending: list = []
 # The q/k norms left for the next rotary op: "q" / "k" -> (data pointer of the tensor not normalised, norm module).
 _norms: dict = {}
@@ -66,18 +72,23 @@ def served_here(layer) -> bool:
     unquantized cache (vLLM's CPU fp8 write has its own rounding, left to vLLM) in a layout probed
     (``layer.isa``, set by vLLM's CPU metadata builder)."""
     impl = layer.impl
+    if isinstance(impl, _MLARoute):  # the latent cache: rows of kv_lora_rank + rope dim, bfloat16 or float32
+        return impl.kv_cache_dtype == "auto"
     return (isinstance(impl, CPUImpl) and impl.attn_type == AttentionType.DECODER
             and getattr(layer, "isa", None) in ISAS and impl.kv_sharing_target_layer_name is None
             and impl.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"))
 
 
 def _model_served() -> bool:
-    if not is_forward_context_available():
-        return False
+    if not is_forward_context_available() or get_forward_context().attn_metadata is None:
+        return False  # a dummy run: nothing is written (MLA would not reach its write), vLLM rotates
     layers = get_forward_context().no_compile_layers
     hit = _served.get(id(layers))
     if hit is None or hit[0] is not layers:
         attn = [m for m in layers.values() if hasattr(m, "impl")]
+        for name, m in layers.items():  # an MLA impl's write is not given its layer: it counts by this name
+            if hasattr(m, "impl"):
+                m.impl._ropepool_name = name
         isas = {getattr(m, "isa", None) for m in attn if isinstance(m.impl, CPUImpl)} - set(ISAS)
         if isas:
             log.warning("ropepool: vLLM's CPU attention packs its cache for isa %s here (bfloat16 on an AMX CPU: "
@@ -158,11 +169,11 @@ class DeferredRotaryEmbedding(RotaryEmbedding):
         if _pending:
             _never_applied("RoPE")
         _pending.append((key.data_ptr(), positions, self._match_cos_sin_cache_dtype(query), self.is_neox_style,
-                         norms))
+                         norms, query))
         return query, key
 
 
-def _count(layer, route: str, q, k, norm: str) -> None:
+def _count(name: str, route: str, q, k, norm: str) -> None:
     """With ROPEPOOL_VLLM_CALLS=path, one line per layer call: pid, tp rank, layer, route, tokens, heads, and
     who normalised q and k since the last layer (``ropepool``: in this call; ``vllm``: vLLM's norm op; ``-``)."""
     path = os.environ.get("ROPEPOOL_VLLM_CALLS")
@@ -170,7 +181,7 @@ def _count(layer, route: str, q, k, norm: str) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         with open(path, "a") as f:
-            f.write(f"{os.getpid()} {get_tensor_model_parallel_rank()} {layer.layer_name} {route} {q.shape[0]} "
+            f.write(f"{os.getpid()} {get_tensor_model_parallel_rank()} {name} {route} {q.shape[0]} "
                     f"{q.shape[1]} {k.shape[1]} {norm}\n")
 
 
@@ -203,13 +214,13 @@ class CPUImpl(CPUAttentionBackendImpl):
                 n = slots.shape[0]
                 if pending is None:  # rotated by vLLM's rotary op: vLLM's own write
                     self.do_kv_cache_update(layer, key, value, kv_cache, slots)
-                    _count(layer, "vllm", query[:n], key, vllm_norm)
+                    _count(layer.layer_name, "vllm", query[:n], key, vllm_norm)
                 else:
-                    _, positions, table, is_neox, norms = pending
+                    _, positions, table, is_neox, norms, _ = pending
                     qk_norm = _qk_norm(self, norms)
                     rope_and_cache(query, key, value, positions, table, is_neox, kv_cache, slots, layout="cpu",
                                    qk_norm=qk_norm)
-                    _count(layer, "ropepool", query[:n], key, vllm_norm if qk_norm is None else "ropepool")
+                    _count(layer.layer_name, "ropepool", query[:n], key, vllm_norm if qk_norm is None else "ropepool")
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                output_block_scale)
 
@@ -224,6 +235,50 @@ class CPUBackend(CPUAttentionBackend):
         return CPUImpl
 
 
+class _MLARoute:
+    """vLLM's CPU MLA impl (AMX_MLA, CPU_MLA) whose latent-cache write also rotates q_pe and k_pe, deferred by
+    the rotary op: one ``rope_latent_fused`` call (q_pe rotated in place in vLLM's q, k_pe rotated and written
+    with the latent row). vLLM calls this write before the layer's attention reads q, k_pe or the cache."""
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
+        pending = _pending.pop() if _pending else None
+        name = getattr(self, "_ropepool_name", "?")
+        if pending is None:  # rotated by vLLM's rotary op: vLLM's own write
+            super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+            _count(name, "vllm", k_pe, k_pe, "-")
+            return
+        _, positions, table, is_neox, _, q_pe = pending
+        if pending[0] != k_pe.data_ptr():
+            raise RopePoolError(f"layer {name}: the key given to attention is not the one RoPE or its q/k norm was "
+                                "deferred for. Fix: serve this model without ropepool (VLLM_PLUGINS='').")
+        rank, kpe = kv_c_normed.shape[-1], k_pe.squeeze(1)  # [T, rope_dim]: one head
+        _, k_rot, _, _ = rope_latent_fused(q_pe, kpe, kv_c_normed, positions, slot_mapping.flatten(),
+                                           kv_cache[..., :rank], kv_cache[..., rank:], rope=_table(table, is_neox),
+                                           kv_layout="NHD", q_pe_out=q_pe)
+        kpe.copy_(k_rot)  # the layer's attention reads k_pe too (prefill)
+        _count(name, "ropepool", q_pe, k_pe, "-")
+
+
+class AMXMLARoute(_MLARoute, AMXMLAImpl):
+    pass
+
+
+class CPUMLARoute(_MLARoute, CPUMLAImpl):
+    pass
+
+
+class AMXMLA(AMXMLABackend):
+    @staticmethod
+    def get_impl_cls():
+        return AMXMLARoute
+
+
+class CPUMLA(CPUMLABackend):
+    @staticmethod
+    def get_impl_cls():
+        return CPUMLARoute
+
+
 def register() -> list[str]:
     """Install on vLLM's CPU platform (once per process); the names of what was installed."""
     if not getattr(register, "done", False):
@@ -232,6 +287,8 @@ def register() -> list[str]:
             CustomOp.register_oot(ours, name=theirs.__name__)
             ours.name = theirs.name  # register_oot renames it; keep vLLM's custom_ops switch
         torch.nn.modules.module.register_module_module_registration_hook(_tag)
-        register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.CPUBackend")
+        for enum, ours in ((AttentionBackendEnum.CPU_ATTN, CPUBackend), (AttentionBackendEnum.AMX_MLA, AMXMLA),
+                           (AttentionBackendEnum.CPU_MLA, CPUMLA)):
+            register_backend(enum, f"{__name__}.{ours.__name__}")
         register.done = True
-    return ["CPU_ATTN", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm"]
+    return ["CPU_ATTN", "AMX_MLA", "CPU_MLA", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm"]
