@@ -38,8 +38,6 @@ def backend(request, monkeypatch):
     plan.forget()  # no runner of the other variant from the layout cache
     if request.param == "torch-general":
         monkeypatch.setattr(backends, "BACKENDS", tuple(b for b in backends.BACKENDS if b.module != ".torch_cpu"))
-    if request.param == "triton" and "indexer" in request.node.name:
-        pytest.skip("the Triton kernel does not take the indexer's cache (the torch path runs it on CUDA)")
     return backend_for(request.param.split("-")[0])
 
 

@@ -202,7 +202,7 @@ def rope_indexer_fused(q: Array, k: Array, positions: Array, slots: Array, k_cac
     Returns
     -------
     q_rot, k_rot (k's shape), k_cache
-        k_cache updated in place. Torch tensors (any device; the torch path).
+        k_cache updated in place. Torch tensors (the Triton kernel on CUDA, the torch path anywhere).
     """
     given = (q, k, None, positions, slots, k_cache, None, q_out, None)  # no value, no v pool
     scalars = plan.indexer_key(rope, scale_fmt, quant_block_size, kv_layout, layer, q_out, backend, q)

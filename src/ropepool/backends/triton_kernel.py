@@ -16,7 +16,9 @@ int8/fp8_per_token_head), block-quantized pools (``NVFP4``; ``AFFINE``, the
 code width of mx.quantize's format, and its ``GROUP``), a latent head of
 another width (MLA's ``DV``), DeepSeek V3.2's fp8_ds_mla rows (``DS_MLA``:
 the latent's e4m3 tiles and their scales into the uint8 row; k_pe is the
-plain k pool, a view of the row's last bytes).
+plain k pool, a view of the row's last bytes) and its indexer's keys
+(``INDEXER``: 1, or 2 with ue8m0 scales; the k pool is the uint8 cache, no
+value is stored).
 cos/sin are computed once per (token, frequency) and reused for every head,
 accurately at any angle (``_cos_sin``).
 
@@ -294,6 +296,32 @@ def _ds_mla_store(row, x, mask, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     tl.store(row + DV + b, tl.reshape(sb, [x.shape[0], 4 * (BLOCK_DV // 128)]), mask=mask & (b < 4 * (DV // 128)))
 
 
+@triton.jit
+def _indexer_store(page_ptr, in_page, x, mask, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   UE8M0: tl.constexpr):
+    """DeepSeek V3.2's indexer key (ropepool.dsa): float32 ``x [heads, D]`` (k_rot as returned) in groups of 128,
+    each stored as e4m3 of ``x / s``, ``s = max(amax, 1e-4) / 448`` (UE8M0: ``2 ** ceil(log2(s))``), as vLLM's
+    indexer_k_quant_and_cache_kernel; a page holds its rows' values, then their float32 scales.
+    ``page_ptr``: the page's first byte (uint8)."""
+    G: tl.constexpr = BLOCK_D // 128
+    xg = tl.reshape(x, [x.shape[0], G, 128])
+    amax = tl.maximum(tl.max(tl.abs(xg), 2), 9.999999747378752e-05)  # fmaxf(amax, 1e-4f)
+    s = tl.div_rn(amax, tl.full([x.shape[0], G], 448.0, tl.float32))
+    if UE8M0:
+        s = tl.exp2(tl.ceil(tl.log2(s)))
+    y = tl.div_rn(xg, s[:, :, None])
+    mag_bits, _ = _e4m3(tl.abs(y))
+    sign = (y.to(tl.uint32, bitcast=True) >> 31).to(tl.uint8)
+    c = tl.arange(0, BLOCK_D)[None, :]
+    tl.store(page_ptr + in_page * D + c, tl.reshape(mag_bits | (sign << 7), [x.shape[0], BLOCK_D]),
+             mask=mask & (c < D))
+    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+    sb = ((s.to(tl.uint32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 0xFF).to(tl.uint8)
+    b = tl.arange(0, 4 * G)[None, :]
+    tl.store(page_ptr + PAGE_SIZE * D + in_page * (4 * (D // 128)) + b, tl.reshape(sb, [x.shape[0], 4 * G]),
+             mask=mask & (b < 4 * (D // 128)))
+
+
 @triton.jit(do_not_specialize=["pool_size", "pos_row_stride"])
 def rope_pool_kernel(
     q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, table, use_long, q_weight, k_weight,
@@ -315,7 +343,7 @@ def rope_pool_kernel(
     NORM: tl.constexpr, Q_W: tl.constexpr, K_W: tl.constexpr, EPS: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
     Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, K_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, PTH: tl.constexpr,
-    NVFP4: tl.constexpr, AFFINE: tl.constexpr, GROUP: tl.constexpr, DS_MLA: tl.constexpr,
+    NVFP4: tl.constexpr, AFFINE: tl.constexpr, GROUP: tl.constexpr, DS_MLA: tl.constexpr, INDEXER: tl.constexpr,
 ):
     # Tiles are [head, feature]. HQ and HKV are the heads of one program:
     # program (t, g) takes heads g * HQ ... of q and g * HKV ... of k and v
@@ -441,7 +469,11 @@ def rope_pool_kernel(
     kp_row = k_pool + page * KP_PAGE + in_page * KP_ROW + kv_head * KP_SH
     vp_row = v_pool + page * VP_PAGE + in_page * VP_ROW + kv_head * VP_SH
     mkw = (hk < p_heads) & (kv_head < NUM_KV)
-    if NVFP4 or AFFINE:  # blocks over the whole row: read k_rot back as returned (k's dtype) once it is stored
+    if INDEXER:  # the key as returned (k's dtype), read back once stored; the pool is the uint8 cache; no value
+        tl.debug_barrier()
+        k_row_out = tl.load(ko_row + dv, mask=mkh & (dv < DV), other=0.0).to(tl.float32)
+        _indexer_store(k_pool + page * KP_PAGE, in_page, k_row_out, mkw, DV, BLOCK_DV, PAGE_SIZE, INDEXER == 2)
+    elif NVFP4 or AFFINE:  # blocks over the whole row: read k_rot back as returned (k's dtype) once it is stored
         tl.debug_barrier()
         k_row_out = tl.load(ko_row + dv, mask=mkh & (dv < DV), other=0.0).to(tl.float32)
         v_row = tl.where(dv < DV, vals.to(tl.float32), 0.0)

@@ -114,6 +114,7 @@ def _features(plan, split: int) -> dict:
         PTH="pool.per_token_head" in features, NVFP4="pool.nvfp4" in features,
         AFFINE=st.k_pool.bits if "pool.affine" in features else 0, GROUP=st.k_pool.group,
         DS_MLA="pool.fp8_ds_mla" in features,
+        INDEXER=2 if "pool.indexer_ue8m0" in features else int("pool.indexer" in features),
     )
     ints = {n: int(c[n]) for n in _INT_FEATURES}  # bools as ints: one spelling, one compiled kernel
     eps, offset = (1.0, 0.0) if norm is None else (norm.eps, norm.weight_offset)
