@@ -106,6 +106,7 @@ def test_compiled_one_token(case, rng, monkeypatch):
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64} if rope == "yarn" else None)
     paged = {} if layout == "flat" else dict(kv_layout=layout, page_size=4)
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "sync")
+    monkeypatch.setattr(torch_cpu, "_FEW_ELEMENTS", 0)  # small calls too: not the few-rows lane
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
     for fused, slot in ((True, 5), (False, 9), (True, -1)):
         q, k, v = fused_qkv(rng, 1, Hq, Hkv, D, dtype)
@@ -133,6 +134,7 @@ def test_two_graphs_compile_in_the_background_at_once(rng, monkeypatch):
     the two compiles run one after the other (traced at once in two threads they failed, which turned the
     compiled path off for the process), and then each layout's calls run their graph."""
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
+    monkeypatch.setattr(torch_cpu, "_FEW_ELEMENTS", 0)  # small calls too: not the few-rows lane
     monkeypatch.setattr(torch_cpu_compiled, "COMPILE_AFTER", 1)
     monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)

@@ -78,6 +78,7 @@ def compiled(monkeypatch):
     state; the test fails if it gave up (its warning would otherwise only slow the call down)."""
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "sync")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setattr(torch_cpu, "_FEW_ELEMENTS", 0)  # small calls too: not the few-rows lane
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
     yield
     assert not torch_cpu_compiled._state["failed"], "the compiled step gave up (see the warning)"
@@ -124,6 +125,26 @@ def check_fast_path(dtype, rope, layout, T, rng, fast_writes, skip_every, high):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rope", ["plain", "yarn", "table"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("T", [1, 9, 16])
+def test_few_rows_rotate_q_and_k_as_one(dtype, rope, layout, T, rng, fast_writes):
+    """q and k apart, as a model's own projections hand them (ropepool demo's calls), few rows: run's few lane
+    (one copy of both, rotated in place by _block's ops) gives the oracle's results, skipped slots included;
+    more rows than its bound take the other paths."""
+    Hq, Hkv, D, P = 4, 2, 32, 64
+    with paths.counting() as seen:
+        for tokens in (T, 40):  # 40 x 6 x 32 elements: past _FEW_ELEMENTS
+            q, k, v = (torch.from_numpy(randn(rng, tokens, h, D, dtype="float32")).to(getattr(torch, dtype))
+                       for h in (Hq, Hkv, Hkv))
+            slots = make_slots(rng, tokens, P, skip_every=4)
+            cache = poison(make_cache(rng, dtype, P, Hkv, D, **LAYOUTS[layout]), slots)
+            positions = make_positions(rng, tokens, high=TABLE_POSITIONS - 1 if rope == "table" else 100_000)
+            run_checked(X, q, k, v, positions, slots, cache, rope=ROPES[rope](D))
+    assert seen["torch_cpu.few"] == 1 and fast_writes[OPS] == 4
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_in_place_and_strided_outputs(dtype, rng, fast_writes):
     """q_out = q (in place) and a strided k_out: the rotation reads a pair before writing it."""
     T, Hq, Hkv, D, P = 40, 4, 2, 64, 64
@@ -141,6 +162,7 @@ def test_compiled_rotation(monkeypatch, rng, fast_writes):
     and compiled once per key."""
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "sync")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setattr(torch_cpu, "_FEW_ELEMENTS", 0)  # small calls too: not the few-rows lane
     monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
     ran = []
@@ -174,6 +196,7 @@ def test_compile_failure_falls_back(monkeypatch, rng, fast_writes, failure):
 
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "sync")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setattr(torch_cpu, "_FEW_ELEMENTS", 0)  # small calls too: not the few-rows lane
     monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
     monkeypatch.setattr(torch_cpu_compiled, "_compile", broken)
@@ -194,6 +217,7 @@ def test_compiles_in_the_background(monkeypatch, rng, fast_writes):
     calls run it; every call with the oracle's results."""
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setattr(torch_cpu, "_FEW_ELEMENTS", 0)  # small calls too: not the few-rows lane
     monkeypatch.setattr(torch_cpu_compiled, "COMPILE_AFTER", 3)
     monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)
@@ -225,6 +249,7 @@ def test_a_background_compile_failure_falls_back(monkeypatch, rng, fast_writes):
 
     monkeypatch.setenv("ROPEPOOL_CPU_COMPILE", "on")
     monkeypatch.setattr(torch_cpu_compiled, "MIN_TOKENS", 2)
+    monkeypatch.setattr(torch_cpu, "_FEW_ELEMENTS", 0)  # small calls too: not the few-rows lane
     monkeypatch.setattr(torch_cpu_compiled, "COMPILE_AFTER", 2)
     monkeypatch.setattr(torch_cpu_compiled, "_compiled", {})
     monkeypatch.setitem(torch_cpu_compiled._state, "failed", False)

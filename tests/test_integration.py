@@ -100,23 +100,26 @@ class StepSpy:
 
 
 class Spy(StepSpy):
-    """Records every ``rope_pool_fused`` call the integration makes, with its layer."""
+    """Records every layer call the integration makes (``run_layer``: its layer's ``rope_pool_fused`` call, or
+    that call's bound runner after the first), and the rotation and norm of each call that went through
+    ``rope_pool_fused`` itself."""
 
     def __init__(self, model, monkeypatch):
         super().__init__(model, attention_layers(model)[0])
-        fused_step, op = attention.fused_step, attention.rope_pool_fused
+        run_layer, op = attention.run_layer, attention.rope_pool_fused
 
-        def spy_fused_step(layer, *args):
+        def spy_run_layer(layer, q, k, v, kv):
             self._layer = layer
-            return fused_step(layer, *args)
+            q_rot, k_rot = run_layer(layer, q, k, v, kv)
+            self.calls.append({"layer": layer, "slots": kv.slots.clone(), "k_rot": k_rot.clone(), "v": v.clone()})
+            return q_rot, k_rot
 
         def spy_op(q, k, v, positions, slots, k_pool, v_pool, **kw):
-            out = op(q, k, v, positions, slots, k_pool, v_pool, **kw)
-            self.calls.append({"layer": self._layer, "rope": kw["rope"], "norm": kw["qk_norm"],
-                               "slots": slots.clone(), "k_rot": out[1].clone(), "v": v.clone()})
-            return out
+            self.op_calls.append({"layer": self._layer, "rope": kw["rope"], "norm": kw["qk_norm"]})
+            return op(q, k, v, positions, slots, k_pool, v_pool, **kw)
 
-        monkeypatch.setattr(attention, "fused_step", spy_fused_step)
+        self.op_calls = []
+        monkeypatch.setattr(attention, "run_layer", spy_run_layer)
         monkeypatch.setattr(attention, "rope_pool_fused", spy_op)
 
 
@@ -137,8 +140,11 @@ def test_generate_batch_through_ropepool_equals_transformers(family, attn_implem
     # One call per attention layer per step, each with its own layer's rotation and norm.
     layers = {m.layer_idx: attention._LAYERS[m] for m in attention_layers(model)}
     assert [sum(c["layer"] is layers[i] for c in spy.calls) for i in layers] == [spy.steps] * len(layers)
-    assert all(c["rope"] is c["layer"].rope and c["norm"] is c["layer"].norm for c in spy.calls)
-    assert (family in ("qwen3", "gemma3")) == all(c["norm"] is not None for c in spy.calls)
+    # Each layer's runner was bound by a rope_pool_fused call with that layer's own rotation and norm.
+    # and only that first call: every later step called the runner directly (one layout per layer and cache).
+    assert sorted(id(c["layer"]) for c in spy.op_calls) == sorted(id(x) for x in layers.values())
+    assert all(c["rope"] is c["layer"].rope and c["norm"] is c["layer"].norm for c in spy.op_calls)
+    assert (family in ("qwen3", "gemma3")) == all(c["norm"] is not None for c in spy.op_calls)
 
     # transformers' cache holds what ropepool wrote, where transformers writes it itself.
     shipped_cache, fused_cache = spy.caches

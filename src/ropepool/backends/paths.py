@@ -43,6 +43,8 @@ Paths counted now (keep this list in step):
 - ``torch_cpu.compiled_step``: a CPU call rotated q and k in inductor's
   compiled step (``torch_cpu_compiled``);
 - ``torch_cpu.compiled_write``: that step also wrote both pools.
+- ``torch_cpu.few``: a CPU call of few rows, q and k apart, rotated them as one tensor by torch ops
+  (``Fast.run``'s few lane; its pools count as ``torch_cpu.write``).
 """
 from __future__ import annotations
 

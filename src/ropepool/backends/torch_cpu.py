@@ -39,6 +39,8 @@ from .torch_arrays import TorchOps, extras
 # 2 MB-per-core L2 (docs/benchmarks.md, CPU section).
 _BLOCK_ELEMENTS = 1 << 17
 _FLIP_ELEMENTS = 1 << 14
+# Up to this many q and k elements a call (q and k not one view) rotates them as one tensor (run's few lane).
+_FEW_ELEMENTS = 1 << 12
 # cos/sin rows of positions below this come from a table made once per rotation (96 MB at rotary_dim 128),
 # one index_select instead of four ops; above, or past 64 tokens, they are computed per call.
 _TABLE_POSITIONS, _TABLE_TOKENS, _TABLE_CHUNK = 1 << 17, 64, 1 << 12
@@ -120,6 +122,10 @@ class Fast:
         self.lane = geom.layer is None and geom.headed and call.norm is None and not strided and \
             (self.quantized or call.pool_dtype == call.dtype) and self.tables is not None and self.rot.long_from is None
         self.ops_lane = self.lane and self.flat
+        # The few-rows lane (run): every feature rotates, pools of q's dtype, no norm (normed rotates q and k as
+        # one tensor already), no DeepSeek V3.2 store.
+        self.few = self.rot.rotary_dim == call.head_dim and not self.quantized and call.norm is None and \
+            self.dsa == (None, None) and call.pool_dtype == call.dtype
         self.one_graph = torch_cpu_compiled.one_token_graph(self.pairs, self.pair_dim,
                                                             self.qmax if self.quantized else None,
                                                             geom.kv_layout, geom.page_size)
@@ -311,6 +317,18 @@ class Fast:
             (Hq, D), Hkv = q.shape[1:], k.shape[1]
             row = (Hq + Hkv) * D
             q_rot, k_rot = both.as_strided((1, Hq, D), (row, D, 1)), both.as_strided((1, Hkv, D), (row, D, 1), Hq * D)
+        elif self.few and q_out is None and k_out is None and k.ndim == 3 and k.shape[2] == q.shape[2] and \
+                q.shape[0] * (q.shape[1] + k.shape[1]) * q.shape[2] <= _FEW_ELEMENTS:
+            # Few rows, q and k apart (a model's own projections): one copy of both into one tensor, rotated in
+            # place by _block's ops, then each part copied out contiguous (as every path returns them): 8 torch
+            # ops where two rotations take 10 and the compiled step's wrappers cost more than its loop
+            # (measured on the shared 2-core VM at ropepool demo's sizes: ~27 us a call against ~37).
+            both = torch.cat((q, k), 1)
+            T, H, D = both.shape
+            x = both.view(T, H, *self.pairs)
+            self._block(x, *self.cos_sin(positions)[:2], x)
+            q_rot, k_rot = both[:, :q.shape[1]].contiguous(), both[:, q.shape[1]:].contiguous()
+            paths.took("torch_cpu.few")
         else:
             k3 = k if k.ndim == 3 else k[:, None]
             q_rot, qx, qy = self.pairs_of(q, q_out)

@@ -148,6 +148,7 @@ class Comparison:
     dtype: str
     plains: list  # transformers as shipped: the timed runs (Run)
     fuseds: list  # after enable(model), interleaved with them
+    firsts: tuple = ()  # the untimed first run of each (plain, fused): caches filled, graphs compiled
 
     @property
     def plain(self) -> Run:
@@ -194,7 +195,8 @@ class Comparison:
                 "max_logprob_diff": self.max_logprob_diff, "ok": self.ok,
                 "plain_s": [r.seconds for r in self.plains], "fused_s": [r.seconds for r in self.fuseds],
                 "plain_cpu_s": [r.cpu_seconds for r in self.plains],
-                "fused_cpu_s": [r.cpu_seconds for r in self.fuseds]}
+                "fused_cpu_s": [r.cpu_seconds for r in self.fuseds],
+                "first_cpu_s": [r.cpu_seconds for r in self.firsts]}
 
 
 def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prompt_lengths=PROMPT_LENGTHS,
@@ -221,7 +223,11 @@ def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prom
             rp.disable(model)
         if i == 0:
             torch_cpu_compiled.wait()
-    return Comparison(family, str(model.dtype).rsplit(".", 1)[-1], plain[1:], fused[1:])
+    return Comparison(family, str(model.dtype).rsplit(".", 1)[-1], plain[1:], fused[1:], (plain[0], fused[0]))
+
+
+def _clock(run) -> float:
+    return run.cpu_seconds if CPU_TIME[0] else run.seconds
 
 
 def _tok_s(runs) -> str:
@@ -232,10 +238,10 @@ def _tok_s(runs) -> str:
 # Why ropepool can lose a model here: what is measured is the whole serving step.
 WHY_SLOWER = {
     "cpu": "these models are tiny (hidden size 64, 2-3 layers), so a step is host time, a few microseconds per "
-           "small torch op and its Python; per layer ropepool's call (the hooks that hand it the step, value "
-           "checks, plan lookup, cos/sin, norm, rotation, pool write) still costs more host time than "
-           "transformers' eager norm, RoPE and cache write that it replaces; the fused call pays off where the "
-           "rows are large or on a GPU",
+           "small torch op and its Python; per layer ropepool's call (the hooks that hand it the step, its "
+           "views of q, k, v and the pools, the bound runner, norm, rotation, pool write) still costs more host "
+           "time than transformers' eager norm, RoPE and cache write that it replaces; the fused call pays off "
+           "where the rows are large or on a GPU",
     "cuda": "on a GPU these tiny models' steps are launch-bound: one Triton launch replaces a few small "
             "kernels, a few microseconds per layer",
 }
@@ -339,6 +345,10 @@ def main(argv=None) -> int:
     finally:
         gc.unfreeze()  # let the interpreter free it all at exit
     console.print(render(results, device))
+    if results and results[0].firsts:  # what a server's first requests pay, kept out of the medians
+        clock = "CPU" if CPU_TIME[0] else "wall"
+        console.print("first (untimed) run of each model, s of " + clock + " time, transformers / through ropepool: " +
+                      ", ".join(f"{c.family} {_clock(c.firsts[0]):.2f} / {_clock(c.firsts[1]):.2f}" for c in results))
     lost = losses(results, device)
     if lost:
         console.print(lost)

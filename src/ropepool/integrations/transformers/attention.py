@@ -29,7 +29,9 @@ from __future__ import annotations
 import sys
 import weakref
 
+from ... import plan
 from ...api import rope_pool_fused
+from ...checks.values import check_values
 from ...errors import RopePoolError
 from . import latent, paged
 
@@ -90,11 +92,40 @@ def fused_step(layer, cache, query, key, value, kwargs):
     q, k, v = (x.select(0, 0).transpose(0, 1) for x in (query, key, value))  # [T, heads, D] views
     kv = paged.layer_kv(cache, layer.index, kwargs)
     old = kv.read_before_write()
-    q_rot, k_rot, _, _ = rope_pool_fused(
-        q, k, v, kv.positions, kv.slots, kv.k_pool, kv.v_pool, head_dim=q.shape[-1],
-        num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=layer.rope, qk_norm=layer.norm,
-        backend=layer.backend)
+    q_rot, k_rot = run_layer(layer, q, k, v, kv)
     return _heads_first(q_rot), kv.read(old, k_rot, v)
+
+
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Layer -> (layout, its bound runner)
+
+
+def run_layer(layer, q, k, v, kv) -> tuple:
+    """``rope_pool_fused``'s q_rot and k_rot for one layer, the pools of ``kv`` written.
+
+    The first call of a layer's layout goes through ``rope_pool_fused`` (checked in full, bound, remembered);
+    later calls of the same layout call its bound runner directly, skipping the api's keyword handling and
+    the layout cache's lookup (~13 us a call on CPU, measured, against a step of ~35): ``layout`` holds what
+    that lookup's guard compares (dtypes, sizes but the token count, strides of every array), and the slot and
+    position values are checked as the lookup checks them, once per step (values.STEP)."""
+    pos, slots, k_pool, v_pool = kv.positions, kv.slots, kv.k_pool, kv.v_pool
+    layout = (q.dtype, q.shape[1:], q.stride(), k.shape[1:], k.stride(), v.shape[1:], v.stride(), pos.dtype,
+              pos.stride(), slots.dtype, slots.stride(), k_pool.dtype, k_pool.shape, k_pool.stride(),
+              v_pool.shape, v_pool.stride())
+    bound = _BOUND.get(layer)
+    if bound is not None and bound[0] == layout:
+        check_values(pos, slots, k_pool.shape[0])
+        return bound[1](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
+    keywords = dict(head_dim=q.shape[-1], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=layer.rope,
+                    qk_norm=layer.norm, backend=layer.backend)
+    q_rot, k_rot, _, _ = rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, **keywords)
+    # The runner that call remembered (None where the layout cache keeps none: every call then checks in full).
+    scalars = plan.pool_key(keywords["head_dim"], keywords["num_qo_heads"], keywords["num_kv_heads"], 10000.0,
+                            layer.rope, None, None, None, None, None, None, layer.backend, layer.norm, None, None,
+                            None, None, q, k)
+    runner = plan.lookup(scalars, (q, k, v, pos, slots, k_pool, v_pool, None, None))
+    if runner is not None and k_pool.dtype == q.dtype and k_pool.data_ptr() != v_pool.data_ptr():
+        _BOUND[layer] = (layout, runner)
+    return q_rot, k_rot
 
 
 def _heads_first(x):
