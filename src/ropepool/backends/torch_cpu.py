@@ -34,6 +34,8 @@ from ..checks.layout import page_and_row, paged_view
 from ..checks.values import STEP
 from . import arraymath, dsa_store, paths, torch_cpu_compiled
 from .torch_arrays import TorchOps, extras
+from .torch_cpu_norm import Normed
+from .torch_cpu_one_token import OneToken
 
 # A block of tokens: about 128K floats (512 KB); of 16K-256K, measured fastest on a
 # 2 MB-per-core L2 (docs/benchmarks.md, CPU section).
@@ -87,8 +89,11 @@ def prepare(plan, tuning, fallback):
     return Prepared(plan, fallback)
 
 
-class Fast:
-    """The runner for one plan and layout (``general``: the fallback's runner, for what this one declines)."""
+class Fast(OneToken, Normed):
+    """The runner for one plan and layout (``general``: the fallback's runner, for what this one declines;
+    the one-token lanes: torch_cpu_one_token; the QK norm: torch_cpu_norm)."""
+
+    table_positions = _TABLE_POSITIONS  # the lanes' bound on a position of the table
 
     def __init__(self, plan, ex, general, strided=False):
         call, freqs = plan.call, ex.freqs
@@ -110,7 +115,7 @@ class Fast:
         self.flat = geom.kv_layout is None and geom.layer is None and geom.headed
         self.compiled = {}  # torch_cpu_compiled's functions for this layout
         self.ops = TorchOps  # the QK norm's operations
-        self._gain = (None, None)  # gain's key and value
+        self.gain_kept = (None, None)  # gain's key and value
         # fp8 pools (the row takes only "scaled" ones): their bound, and k's and v's scales as float32 tensors
         self.quantized, self.qmax = plan.stores.k_pool.quantized, plan.stores.k_pool.qmax
         # DeepSeek V3.2's stores of k and v (backends/dsa_store.py), or None: written by dsa_store.put
@@ -346,91 +351,6 @@ class Fast:
             self.write(v_pool, v3, slots, keep, 1)
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
 
-    def compiled_one_token(self, q, k, v, positions, slots, k_pool, v_pool):
-        """A decode call's lane (``lane``) in one call of inductor's code (torch_cpu_compiled, compiled as the
-        steps of more tokens are) that rotates q and k, picks the table's rows and writes both pools: the same
-        values as ``run``'s, ~12 us where ``one_token``'s ops take ~25. None where it is not compiled (yet),
-        a slot is negative or past the pool, or a position past the table: ``run`` takes the call."""
-        (s,), (p,) = slots.tolist(), positions.tolist()
-        if not 0 <= s < self.pool_size or not 0 <= p < _TABLE_POSITIONS or v.ndim != 3 or k.ndim != 3 or \
-                q.shape[2] != self.rot.rotary_dim or torch_cpu_compiled.failed():
-            return None
-        tables = self.from_table(0, p)
-        if tables is None:
-            return None
-        out = torch_cpu_compiled.one_token((q, k, v, *tables, positions, slots, k_pool, v_pool, *self.scales),
-                                           self.one_graph, self.compiled)
-        return None if out is None else (out[0], out[1], k_pool, v_pool)
-
-    def one_token(self, x, q, k, v, positions, slots, k_pool, v_pool):
-        """A decode call's lane (``lane``: flat pool of q's dtype or fp8, no norm, a table of ours; ``x``: its q and k
-        heads as ``fused_pairs``' one view): the few torch ops it needs, the same values as ``run``'s (the
-        table's rows as views, not copies; each pool row written by one copy_). None where it does not apply
-        (a slot past the pool, a position past the table): ``run`` takes the call."""
-        (s,), (p,) = slots.tolist(), positions.tolist()
-        if s >= self.pool_size or not 0 <= p < _TABLE_POSITIONS or v.ndim != 3:
-            return None
-        if STEP.holds(positions):  # once per step for every layer
-            cos, sin = self.cos_sin(positions)[:2]
-        else:
-            tables = self.from_table(0, p)
-            if tables is None:
-                return None
-            cos, sin = tables[0][p:p + 1], tables[1][p:p + 1]
-        # _block's arithmetic in four ops: a product of x (bf16, fp16) and float32 cos/sin is taken in float32
-        # (x upcast exactly, as x.float() does), each product rounded, then the sum once into q's dtype.
-        both = torch.add(x * cos, x.flip(self.pair_dim) * sin, out=torch.empty(x.shape, dtype=q.dtype))
-        (Hq, D), Hkv = q.shape[1:], k.shape[1]
-        row = (Hq + Hkv) * D
-        q_rot, k_rot = both.as_strided((1, Hq, D), (row, D, 1)), both.as_strided((1, Hkv, D), (row, D, 1), Hq * D)
-        if s >= 0:  # a negative slot skips the write
-            for i, (pool, rows) in enumerate(((k_pool, k_rot), (v_pool, v))):
-                if self.quantized:  # quantized as ``write`` does
-                    rows = arraymath.quantize(rows.float(), self.scales[i], self.qmax, self.ops)
-                pool[s:s + 1].copy_(rows)
-        paths.took("torch_cpu.write", 2)  # as ``write`` counts: each pool, a token written or skipped
-        paths.took("torch_cpu.one_token")
-        return q_rot, k_rot, k_pool, v_pool
-
-    def normed(self, x, Hq, positions):
-        """``[T, Hq + Hkv, D]`` x (q's heads, then k's: a tensor of ours) RMS-normalised and rotated in the
-        norm's order, in place: q and k as one tensor, half the torch ops of two. The norm is torch_eager's
-        (arraymath.normalize), with each head's gain: its results bit for bit."""
-        norm = self.call.norm
-        x32 = x.float()  # float32: x itself
-        if not norm.after_rope:
-            x32 = self.normalize(x32, Hq)
-        # Normalised after the rotation: rotated in float32 (x32 is ours), rounded once at the end.
-        rotated, xp, yp = self.pairs_of(x32, x32 if norm.after_rope else x)
-        if xp is not None:
-            self.rotate(xp, self.cos_sin(positions)[:2], yp)
-        if norm.after_rope:
-            x.copy_(self.normalize(rotated, Hq))
-        return x
-
-    def normalize(self, x32, Hq):
-        """arraymath.normalize's ``y * (offset + w)``, its product taken with ``gain``'s rows."""
-        y = arraymath.normalize(x32, None, self.call.norm, self.ops)
-        gain = self.gain(Hq, x32.shape[1] - Hq)
-        return y if gain is None else y.mul_(gain)
-
-    def gain(self, Hq, Hkv):
-        """The norm's weights as one ``[Hq + Hkv, D]`` float32 gain (``offset + w``; 1 for a head whose
-        weight is None), or None without weights; kept while the weights are unchanged (their versions)."""
-        weights = self.call.norm.weights  # the QKNorm's own tensors: the call keeps them alive, ids stay theirs
-        if weights[0] is None and weights[1] is None:
-            return None
-        try:
-            key = (Hq, Hkv, *(None if w is None else w._version for w in weights))
-        except RuntimeError:  # an inference tensor keeps no version: made per call
-            key = None
-        if key is None or self._gain[0] != key:
-            weights = [None if w is None else w.detach() for w in weights]
-            D = next(w for w in weights if w is not None).shape[0]
-            rows = [torch.ones(D) if w is None else self.ops.f32(w) + self.call.norm.weight_offset for w in weights]
-            self._gain = (key, torch.cat((rows[0].expand(Hq, D), rows[1].expand(Hkv, D))))
-        return self._gain[1]
-
     def compiled_step(self, qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole) -> bool:
         """The rotation of q and k: through torch_cpu_compiled where wanted, which also picks the cos/sin rows
         of a table and, where ``whole`` and the pools are rows, writes them; else (or where it did not run)
@@ -449,16 +369,3 @@ class Fast:
         self.rotate(qx, (cos, sin), qy)
         self.rotate(kx, (cos, sin), ky)
         return False
-
-    def fused_pairs(self, q, k):
-        """One token's q and k as one ``[1, Hq + Hkv, *pairs]`` view where k's heads follow q's in memory
-        (a fused QKV projection's output) and all features rotate; else None."""
-        D = q.shape[2]
-        if self.rot.rotary_dim != D or k.ndim != 3 or k.shape[2] != D or k.stride(1) != q.stride(1) or \
-                k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
-            return None
-        try:  # past q's storage (k adjacent in another allocation): as_strided refuses
-            return q.as_strided((1, q.shape[1] + k.shape[1], *self.pairs), (q.stride(0), q.stride(1), self.pairs[1], 1))
-        except RuntimeError:
-            return None
-

@@ -41,7 +41,8 @@ BENCH = ROOT / "docs" / "bench"
 CODE_PATHS = {
     "gpu": ["src/ropepool/backends/triton_kernel.py", "src/ropepool/backends/triton_op.py",
             "src/ropepool/backends/triton_launch.py"],
-    "cpu": ["src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py"],
+    "cpu": ["src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py",
+            "src/ropepool/backends/torch_cpu_one_token.py", "src/ropepool/backends/torch_cpu_norm.py"],
     "mlx": ["src/ropepool/backends/mlx.py"],
 }
 
