@@ -40,7 +40,7 @@ BENCH = ROOT / "docs" / "bench"
 # left out on purpose: its commits are mostly messages and docstrings, and would mark every row.)
 CODE_PATHS = {
     "gpu": ["src/ropepool/backends/triton_kernel.py", "src/ropepool/backends/triton_op.py",
-            "src/ropepool/backends/triton_launch.py"],
+            "src/ropepool/backends/triton_launch.py", "src/ropepool/backends/triton_stores.py"],
     "cpu": ["src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py",
             "src/ropepool/backends/torch_cpu_one_token.py", "src/ropepool/backends/torch_cpu_norm.py"],
     "mlx": ["src/ropepool/backends/mlx.py"],
