@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 import ropepool
-from ropepool import reference_dsa
 from ropepool.backends import dsa_store, torch_cpu_compiled
 from ropepool.cli.bench import environment
+from ropepool.reference import dsa as reference_dsa
 
 BF16 = torch.bfloat16
 YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,

@@ -1,4 +1,4 @@
-"""DeepSeek V3.2's two caches: the float64 oracle (``ropepool.reference_dsa``) writes the bytes vLLM's own
+"""DeepSeek V3.2's two caches: the float64 oracle (``ropepool.reference.dsa``) writes the bytes vLLM's own
 writers write (tests/vllm_dsa.py: ports of vllm-project/vllm csrc/libtorch_stable/cache_kernels.cu at
 37cb21c1695d11baba8e369b071d2f44c1561c8f), every byte of the cache compared.
 
@@ -12,7 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ropepool import dsa, reference_dsa
+from ropepool.checks import dsa
+from ropepool.reference import dsa as reference_dsa
 from tests.harness import NP_DTYPES, Backend, make_slots, randn
 
 torch = pytest.importorskip("torch")

@@ -2,7 +2,7 @@
 ``rope_indexer_fused``, on every backend that takes them, against the ports of vLLM's writers (tests/vllm_dsa.py).
 
 Each call starts from a cache of random bytes. The rotations must match the float64 oracle
-(``ropepool.reference_dsa``) within the dtype's tolerance, and the whole cache must equal, byte for byte,
+(``ropepool.reference.dsa``) within the dtype's tolerance, and the whole cache must equal, byte for byte,
 what vLLM's writer makes of the same poisoned cache, given kv_c and the k the op returned: so the written
 rows hold exactly vLLM's bytes of the returned rotation, and every other byte is untouched. Misuse
 raises before anything is written.
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import ropepool
-from ropepool import RopePoolError, RopeSpec, reference_dsa
+from ropepool import RopePoolError, RopeSpec
+from ropepool.reference import dsa as reference_dsa
 from tests.harness import TOL, Backend, make_positions, make_slots, randn
 from tests.test_dsa_bytes import poison, scaled_rows
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import dsa, plan
-from .checks import validate
+from . import plan
+from .checks import dsa, validate
 from .checks.blocks import first_array, parts_layout
 
 Array = Any  # a torch.Tensor or an mx.array

@@ -1,6 +1,6 @@
-"""DeepSeek V3.2's two stores (``ropepool.dsa``) as array math on torch tensors and MLX arrays.
+"""DeepSeek V3.2's two stores (``ropepool.checks.dsa``) as array math on torch tensors and MLX arrays.
 
-The float32 steps of vLLM's writers, in their order (``ropepool.reference_dsa`` is the float64
+The float32 steps of vLLM's writers, in their order (``ropepool.reference.dsa`` is the float64
 oracle that rounds where they round): scales by IEEE float32 division, values ``x / s`` saturated
 and rounded to e4m3, nearest even. Each function takes the rows as the cache receives them and
 returns bytes (uint8); where they go in the cache is ``rows_at`` / ``indexer_at``.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
-from .. import dsa
+from ..checks import dsa
 from ..checks.layout import paged_view
 
 FLT_MIN = 1.1754943508222875e-38  # float32's smallest normal: the floor of an fp8_ds_mla tile scale

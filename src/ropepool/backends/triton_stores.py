@@ -117,7 +117,7 @@ def affine_store(row, s_row, b_row, x, mask, DV: tl.constexpr, BLOCK_DV: tl.cons
 
 @triton.jit
 def ds_mla_store(row, x, mask, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """fp8_ds_mla's first 528 bytes of each row (ropepool.dsa): float32 ``x [heads, 512]`` (kv_c) in 4 tiles of
+    """fp8_ds_mla's first 528 bytes of each row (ropepool.checks.dsa): float32 ``x [heads, 512]`` (kv_c) in 4 tiles of
     128, each stored as e4m3 of ``x / s`` with ``s = max(amax / 448, FLT_MIN)`` (IEEE divisions, as vLLM's
     concat_and_cache_ds_mla_kernel), then the 4 scales' float32 bytes, little-endian. ``row``: uint8."""
     xt = tl.reshape(x, [x.shape[0], BLOCK_DV // 128, 128])
@@ -137,7 +137,7 @@ def ds_mla_store(row, x, mask, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
 @triton.jit
 def indexer_store(page_ptr, in_page, x, mask, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    UE8M0: tl.constexpr):
-    """DeepSeek V3.2's indexer key (ropepool.dsa): float32 ``x [heads, D]`` (k_rot as returned) in groups of 128,
+    """DeepSeek V3.2's indexer key (ropepool.checks.dsa): float32 ``x [heads, D]`` (k_rot as returned) in groups of 128,
     each stored as e4m3 of ``x / s``, ``s = max(amax, 1e-4) / 448`` (UE8M0: ``2 ** ceil(log2(s))``), as vLLM's
     indexer_k_quant_and_cache_kernel; a page holds its rows' values, then their float32 scales.
     ``page_ptr``: the page's first byte (uint8)."""

@@ -15,11 +15,12 @@ import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .. import backends, dsa
+from .. import backends
 from ..errors import RopePoolError
 from ..plan.stores import PLAIN, Store, Stores
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache, RopeSpec, Rotation
+from . import dsa
 from .arrays import check_devices, check_ints, check_strides, check_types, reshape_word, same_place, shape_of
 from .blocks import check_block_pools, first_array, is_block_pool
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_name, tracing
@@ -227,7 +228,7 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
 
 def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quant_block_size=128, kv_layout=None,
                   layer=None, q_out=None, frameworks=("torch", "mlx")) -> Call:
-    """Check a rope_indexer_fused call (DeepSeek V3.2's indexer key, ropepool.dsa) and describe it as a call
+    """Check a rope_indexer_fused call (DeepSeek V3.2's indexer key, ropepool.checks.dsa) and describe it as a call
     with one KV head whose pool is the uint8 cache and which has no value (its v store is "none")."""
     op = "rope_indexer_fused"
     fw = check_types(op, _INDEXER_ARRAYS, (q, k, positions, slots, k_cache), frameworks)

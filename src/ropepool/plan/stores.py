@@ -42,7 +42,7 @@ FORMATS = {
              "scale (scale)",
     "affine": "mx.quantize's affine format (mlx-lm's quantized cache): bits-wide codes in uint32 words, a scale and "
               "a bias per group of group values",
-    # DeepSeek V3.2's caches (ropepool.dsa; docs/layouts.md): the pool is the caller's whole uint8 cache.
+    # DeepSeek V3.2's caches (ropepool.checks.dsa; docs/layouts.md): the pool is the caller's whole uint8 cache.
     "fp8_ds_mla": "kv_c's 512 features as e4m3 in 4 tiles of 128, x / s with s = max(amax / 448, FLT_MIN), then the "
                   "4 float32 scales, at the start of each 656-byte row (the row's k_pe: the plain k pool, a view)",
     "indexer": "the key as e4m3 in groups of 128, x / s with s = max(amax, 1e-4) / 448; per page the rows' values, "

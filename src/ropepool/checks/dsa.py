@@ -15,8 +15,8 @@ shapes and dtype names, so the NumPy oracle, PyTorch and MLX share them.
 """
 from __future__ import annotations
 
-from .checks.dtypes import dtype_name, framework_of
-from .errors import RopePoolError
+from ..errors import RopePoolError
+from .dtypes import dtype_name, framework_of
 
 E4M3_MAX = 448.0  # the writers divide amax by it (kFp8ScaleDivisor; 224 only on ROCm's fnuz gfx942)
 
@@ -66,7 +66,7 @@ def ds_mla_kpe(op: str, cache_format, ckv_cache, kpe_cache, kv_c, k_pe, scale):
         return None
     check_ds_mla(kv_c, k_pe, ckv_cache)
     if framework_of(ckv_cache) != "torch":
-        from . import backends
+        from .. import backends
 
         backends.refuse(framework_of(ckv_cache), "pool.fp8_ds_mla")  # MLX: no views of a byte row
         return None

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference_quant
-from .checks import validate
-from .checks.dtypes import QMAX
-from .checks.layout import page_and_row, paged_view
+from .. import reference_quant as quant
+from ..checks import validate
+from ..checks.dtypes import QMAX
+from ..checks.layout import page_and_row, paged_view
 
 
 def cos_sin(rot, positions) -> tuple:
@@ -132,7 +132,7 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_
     st = call.stores
     if st.k_pool.bits:  # tuples of arrays; the row quantized is k_rot rounded to k's dtype, as engines do
         rows = (k_rot.astype(np.asarray(k).dtype), np.asarray(v))
-        pools = tuple(tuple(reference_quant.write_rows(pool, _block_rows(x, store), slots, kv_layout=kv_layout,
+        pools = tuple(tuple(quant.write_rows(pool, _block_rows(x, store), slots, kv_layout=kv_layout,
                                                        layer=layer))
                       for pool, x, store in zip((k_pool, v_pool), rows, (st.k_pool, st.v_pool)))
         return (q_rot, k_rot, *pools)
@@ -143,8 +143,8 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_
 
 def _block_rows(x, store):
     if store.format == "nvfp4":
-        return reference_quant.nvfp4_rows(x, float(np.asarray(store.scale, dtype=np.float32).reshape(())))
-    return reference_quant.affine_rows(x, store.bits, store.group)
+        return quant.nvfp4_rows(x, float(np.asarray(store.scale, dtype=np.float32).reshape(())))
+    return quant.affine_rows(x, store.bits, store.group)
 
 
 def rope_latent_fused(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, rope, kv_layout=None,

@@ -1,4 +1,4 @@
-"""The oracle of DeepSeek V3.2's two caches (``ropepool.dsa``): NumPy, float64, rounding where the writer rounds.
+"""The oracle of DeepSeek V3.2's two caches (``ropepool.checks.dsa``): NumPy, float64, rounding where the writer rounds.
 
 The writers round in two places, so the oracle does too: each scale is a float32 quotient
 (``float32(amax / 448)``: a float64 quotient of two float32 numbers rounded once to float32 is the
@@ -14,9 +14,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from . import dsa
-from .checks.layout import page_and_row, paged_view, pool_geometry
-from .reference import cos_sin, rope_and_norm
+from ..checks import dsa
+from ..checks.layout import page_and_row, paged_view, pool_geometry
+from . import cos_sin, rope_and_norm
 
 FLT_MIN = float(np.finfo(np.float32).tiny)  # the ds_mla tile scale's floor (CUDA's FLT_MIN)
 
