@@ -153,3 +153,43 @@ def test_compile_block_pools(fmt, rng):
         for i, (g, w) in enumerate(zip(g_parts, w_parts)):
             assert_same_bits(f"{cache}_pool[{i}]: compiled vs eager", g.view(torch.uint8), w.view(torch.uint8))
         assert not torch.equal(w_parts[0].view(torch.uint8), s_parts[0].view(torch.uint8)), "rows were written"
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "indexer", "indexer_ue8m0"])
+def test_compile_dsa_caches(fmt, rng):
+    """DeepSeek V3.2's caches (fp8_ds_mla rows, the indexer's keys with either scale format) under
+    torch.compile(fullgraph=True): compiled == eager on every output and the whole uint8 cache, bit for bit
+    (the same random bytes to start with, so rows never written are checked too), and rows were written."""
+    from tests.test_dsa_bytes import scaled_rows
+    from tests.test_dsa_ops import INDEXER_ROPE, MLA_ROPE
+
+    T, P = 7, 24
+    positions, slots = (torch.from_numpy(a) for a in (make_positions(rng, T, 8192), make_slots(rng, T, P)))
+    if fmt == "fp8_ds_mla":
+        arrays = [torch.from_numpy(randn(rng, T, 3, 64)).bfloat16(), torch.from_numpy(randn(rng, T, 64)).bfloat16(),
+                  torch.from_numpy(scaled_rows(rng, T, 512, "float32")).bfloat16()]
+        width = 656
+
+        def step(q_pe, k_pe, kv_c, pos, slots, cache):
+            return ropepool.rope_latent_fused(q_pe, k_pe, kv_c, pos, slots, cache, None, rope=MLA_ROPE,
+                                              kv_layout="NHD", cache_format="fp8_ds_mla")[:2]
+    else:
+        arrays = [torch.from_numpy(randn(rng, T, 4, 128)).bfloat16(),
+                  torch.from_numpy(scaled_rows(rng, T, 128, "float32")).bfloat16()]
+        width, scale_fmt = 132, ("ue8m0" if fmt == "indexer_ue8m0" else None)
+
+        def step(q, k, pos, slots, cache):
+            return ropepool.rope_indexer_fused(q, k, pos, slots, cache, rope=INDEXER_ROPE, scale_fmt=scale_fmt,
+                                               kv_layout="NHD")[:2]
+
+    start = torch.from_numpy(rng.integers(0, 256, (P // 4, 4, width), dtype=np.uint8))
+    eager, compiled = start.clone(), start.clone()
+    plan.forget()
+    want = step(*arrays, positions, slots, eager)
+    plan.forget()
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*arrays, positions, slots, compiled)
+    for what, g, w in zip(("q_rot", "k_rot"), got, want):
+        assert_same_bits(f"{what}: compiled vs eager", g, w)
+    assert_same_bits("cache: compiled vs eager", compiled, eager)
+    assert not torch.equal(eager, start), "rows were written"

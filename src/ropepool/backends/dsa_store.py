@@ -68,9 +68,9 @@ def put_indexer(cache, geom, page, row, values, scales, ops):
 FORMATS = ("fp8_ds_mla", "indexer", "indexer_ue8m0", "none")  # the stores.FORMATS written here
 
 
-def put(fmt, pool, geom, page, row, rows):
-    """Torch: the store ``fmt`` of ``rows [N, D]`` (the call's rows written) into ``pool``, in place."""
-    ops = torch_ops()
+def put(fmt, pool, geom, page, row, rows, ops):
+    """Torch: the store ``fmt`` of ``rows [N, D]`` (the call's rows written) into ``pool``, in place. ``ops``:
+    ``torch_ops()``, made by the caller at import (torch.compile cannot trace making the namespace)."""
     if fmt == "fp8_ds_mla":
         put_ds_mla_head(pool, geom, page, row, rows, ops)
     elif fmt != "none":

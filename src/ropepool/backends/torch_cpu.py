@@ -267,7 +267,7 @@ class Fast(OneToken, Normed):
             rows, slots = rows[keep], slots[keep]
         if self.dsa[scale] is not None:  # one latent head: [T, 1, dim]
             dsa_store.put(self.dsa[scale], pool, self.call.pool, *page_and_row(slots, self.call.pool.page_size),
-                          rows[:, 0])
+                          rows[:, 0], dsa_store.torch_ops())
             return
         if self.quantized:
             scale = self.scales[scale]

@@ -12,7 +12,8 @@ from ..checks.layout import page_and_row, paged_view
 from . import arraymath, blockquant, dsa_store
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
-BLOCK_OPS = blockquant.torch_ops()  # made here, at import: torch.compile cannot trace making the namespace
+# made here, at import: torch.compile cannot trace making these namespaces
+BLOCK_OPS, DSA_OPS = blockquant.torch_ops(), dsa_store.torch_ops()
 
 
 class Prepared:
@@ -52,7 +53,7 @@ class Prepared:
         for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale), (v_pool, v3, st.v_pool, ex.v_scale)):
             rows = rows[write]
             if store.format in dsa_store.FORMATS:  # DeepSeek V3.2's byte rows (backends/dsa_store.py)
-                dsa_store.put(store.format, pool, call.pool, page, row, rows[:, 0])
+                dsa_store.put(store.format, pool, call.pool, page, row, rows[:, 0], DSA_OPS)
                 continue
             if store.format == "per_token_head":  # each row's scale, where the pool keeps the row
                 rows, s = arraymath.quantize_per_token_head(rows.float(), store.qmax, store.integer, ops)
