@@ -6,7 +6,7 @@
   ``nvfp4_append_quantize_block`` and
   ``NVFP4QuantizeAppendPagedKVCacheWithSlotMappingKernel``; Python entry
   ``flashinfer.page.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping``).
-  The kernel's comparison ladder is kept as written; ``ropepool.reference_quant``
+  The kernel's comparison ladder is kept as written; ``ropepool.reference.quant``
   models the same rounding from distances instead, so the two are independent.
   FlashInfer builds its kernels with ``-use_fast_math``: on the GPU its two
   divisions may be approximate; the port, like the source, divides exactly.

@@ -1,4 +1,4 @@
-"""The block-quantized formats' oracle (ropepool.reference_quant) against the engines' own writers, byte for byte.
+"""The block-quantized formats' oracle (ropepool.reference.quant) against the engines' own writers, byte for byte.
 
 - NVFP4: the NumPy model of FlashInfer's quantizer against the statement-by-
   statement torch port of its slot-mapping append kernel (tests/quant_ports.py),
@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ropepool import reference_quant as rq
+from ropepool.reference import quant as rq
 from tests import quant_ports as port
 from tests.harness import HAS, assert_same_bits, make_slots
 

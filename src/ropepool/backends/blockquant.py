@@ -1,7 +1,7 @@
 """The block-quantized stores as array math on torch tensors and MLX arrays: NVFP4 and MLX's affine format.
 
 The same float32 steps, in the same order, as the engines' own writers
-(``ropepool.reference_quant`` has the NumPy models and cites the sources), so
+(``ropepool.reference.quant`` has the NumPy models and cites the sources), so
 the bytes agree exactly. On MLX the affine format is ``mx.quantize`` itself.
 Each function takes float32 rows ``[..., D]`` and returns the parts a pool
 stores for them; the pool write is the backend's.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ..reference_quant import E2M1_MAX, NVFP4_BLOCK
+from ..reference.quant import E2M1_MAX, NVFP4_BLOCK
 
 # e2m1 rounds to 0, 0.5, 1, 1.5, 2, 3, 4, 6: the code is how many midpoints a magnitude passes. A tie goes to
 # the even code: a midpoint with an odd code above it counts only once passed (>), one with an even code above

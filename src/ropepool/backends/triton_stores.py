@@ -46,7 +46,7 @@ def e2m1(y):
 @triton.jit
 def nvfp4_store(row, sf_row, x, g, mask, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     """FlashInfer's NVFP4 quantization of float32 rows ``x [heads, BLOCK_DV]`` (global decode scale ``g``):
-    e2m1 codes two a byte at ``row``, one e4m3 scale per 16 features at ``sf_row`` (reference_quant.py)."""
+    e2m1 codes two a byte at ``row``, one e4m3 scale per 16 features at ``sf_row`` (reference/quant.py)."""
     NB: tl.constexpr = BLOCK_DV // 16
     xb = tl.reshape(x, [x.shape[0], NB, 16])
     amax = tl.max(tl.abs(xb), 2)
@@ -88,7 +88,7 @@ def affine_store(row, s_row, b_row, x, mask, DV: tl.constexpr, BLOCK_DV: tl.cons
                   GROUP: tl.constexpr):
     """mx.quantize's affine format of float32 rows ``x [heads, BLOCK_DV]``: per group a scale and a bias (the
     edge of larger magnitude exact) at ``s_row``, ``b_row`` in their dtype; codes ``rint((x - bias) / scale)``
-    in [0, 2^BITS - 1], ``32 // BITS`` a word at ``row``, element k at bit k * BITS (reference_quant.py).
+    in [0, 2^BITS - 1], ``32 // BITS`` a word at ``row``, element k at bit k * BITS (reference/quant.py).
     Every quotient is IEEE-rounded (``div_rn``), as the CPU's."""
     NG: tl.constexpr = BLOCK_DV // GROUP
     PER: tl.constexpr = 32 // BITS

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..errors import RopePoolError
 from ..plan.stores import Store
-from ..reference_quant import AFFINE_BITS, AFFINE_GROUP_SIZES, E2M1_MAX, NVFP4_BLOCK
+from ..reference.quant import AFFINE_BITS, AFFINE_GROUP_SIZES, E2M1_MAX, NVFP4_BLOCK
 from .arrays import same_place, shape_of
 from .dtypes import FRAMEWORK_TYPES, dtype_name, framework_of
 from .pools import check_pool_scales

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import reference_quant as quant
 from ..checks import validate
 from ..checks.dtypes import QMAX
 from ..checks.layout import page_and_row, paged_view
+from . import quant
 
 
 def cos_sin(rot, positions) -> tuple:

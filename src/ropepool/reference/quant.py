@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks.layout import page_and_row, paged_view, pool_geometry
+from ..checks.layout import page_and_row, paged_view, pool_geometry
 
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
