@@ -158,3 +158,30 @@ def per_token_head_views(kv_cache, head_size, cache_dtype, layout):
     data = tuple(h[..., :head_size].view(cache_dtype) for h in halves)
     scales = tuple(h[..., head_size:].view(torch.float32)[..., 0] for h in halves)
     return (*data, *scales)
+
+
+# --- the QK-norm hooks' unfused ops (vllm/compilation/passes/fusion/qk_norm_rope_kvcache_fusion.py) -------------
+
+def rms_norm(x, weight, eps):
+    """vllm.ir.ops.rms_norm (vllm/ir/ops/layernorm.py), the op QkNormRopeKvCachePattern matches per head: x in
+    float32, ``x * rsqrt(mean(x^2) + eps)``, cast to the weight's dtype, times the weight, cast to x's dtype."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (y.to(weight.dtype) * weight).to(x.dtype)
+
+
+def mrope_rows(table, positions, section, interleaved):
+    """MRotaryEmbedding.forward_native's table rows for ``[3, T]`` positions (vllm/model_executor/layers/
+    rotary_embedding/mrope.py): frequency i of the cos (and sin) half from the row of the time, height or
+    width position, chunks of ``section`` (or apply_interleaved_rope's T/H/W cycle). ``[T, rotary_dim]``:
+    rotate_native(x, rows, arange(T), ...) is the rotation."""
+    halves = []
+    for half in table[positions].chunk(2, dim=-1):  # [3, T, rotary_dim / 2]
+        if interleaved:
+            c = torch.arange(half.shape[-1])
+            pick = torch.where((c % 3 == 1) & (c < section[1] * 3), 1, 0)
+            pick = torch.where((c % 3 == 2) & (c < section[2] * 3), 2, pick)
+            halves.append(half.gather(0, pick.expand(1, half.shape[1], -1)).squeeze(0))
+        else:
+            halves.append(torch.cat([m[i] for i, m in enumerate(half.split(list(section), dim=-1))], dim=-1))
+    return torch.cat(halves, dim=-1)

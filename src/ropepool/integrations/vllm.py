@@ -1,7 +1,7 @@
 """vLLM: the fused RoPE + KV-cache write of vLLM's attention backends, done by one ropepool call.
 
-The hook is vLLM's RoPE + KV-cache fusion pass (vllm/compilation/passes/fusion/
-rope_kvcache_fusion.py). With ``pass_config.fuse_rope_kvcache`` on, every attention
+The hooks are vLLM's fusion passes (vllm/compilation/passes/fusion/rope_kvcache_fusion.py,
+qk_norm_rope_kvcache_fusion.py). With ``pass_config.fuse_rope_kvcache`` on, every attention
 layer whose ``impl.fused_rope_kvcache_supported()`` is True has its
 ``rotary_embedding`` + ``unified_kv_cache_update`` replaced by the custom op
 ``vllm.fused_rope_and_unified_kv_cache_update``, which calls::
@@ -10,11 +10,15 @@ layer whose ``impl.fused_rope_kvcache_supported()`` is True has its
                                      cos_sin_cache, is_neox, kv_cache, layer_slot_mapping)
 
 That call rotates query and key in place (the op declares ``mutates_args=["query",
-"key"]``) and writes the rotated key and the value into the layer's cache.
-``rope_and_cache`` does it with one ``ropepool.rope_pool_fused`` call, reading vLLM's
-own cos/sin table through ``ropepool.CosSinCache``; ``register`` (the
-``vllm.general_plugins`` entry point) installs it on vLLM's CUDA backends.
-docs/engines.md says what was run (and that vLLM itself was not).
+"key"]``) and writes the rotated key and the value into the layer's cache. With
+``fuse_qk_norm_rope_kvcache`` the per-head q/k RMS norms are fused too:
+``do_qk_norm_rope_kvcache_update(layer, qkv, q_out, k_out, positions, q_weight, k_weight,
+eps, cos_sin_cache, is_neox, kv_cache, slots)`` and its MRoPE twin
+``do_qk_norm_mrope_kvcache_update`` (``[3, T]`` positions, sections; no k_out) read the
+fused projection ``qkv`` and write q_out (k_out) and the cache. ``rope_and_cache`` does each
+with one ``ropepool.rope_pool_fused`` call, reading vLLM's own cos/sin table through
+``ropepool.CosSinCache``; ``register`` (the ``vllm.general_plugins`` entry point) installs
+all three on vLLM's CUDA backends. docs/engines.md says what was run (no GPU run of them).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch
 
 from ..api import rope_pool_fused
 from ..errors import RopePoolError
+from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache
 
 log = logging.getLogger(__name__)
@@ -105,7 +110,8 @@ def _table(cos_sin_cache: torch.Tensor, is_neox: bool) -> CosSinCache:
 
 def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cache, slot_mapping, *,
                    kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, layout: str | None = None,
-                   backend: str | None = None, k_scale_cache=None, v_scale_cache=None, qk_norm=None) -> None:
+                   backend: str | None = None, k_scale_cache=None, v_scale_cache=None, qk_norm=None,
+                   q_out=None, k_out=None, rope=None) -> None:
     """What vLLM's ``do_rope_and_kv_cache_update`` does, as one ``ropepool.rope_pool_fused`` call.
 
     Parameters
@@ -132,6 +138,11 @@ def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cach
     backend : ropepool backend (None: the Triton kernel on CUDA, the torch path elsewhere).
     qk_norm : a ``ropepool.QKNorm`` (the model's per-head q/k RMS norms, e.g. Qwen3's), applied to
         query and key in the same call; None: query and key are rotated as given.
+    q_out, k_out : where q_rot and k_rot go (their first n tokens), shaped like query and key;
+        None: query and key themselves (in place).
+    rope : a ``ropepool.RopeSpec`` or ``CosSinCache`` that replaces ``CosSinCache(cos_sin_cache,
+        is_neox)`` (MRoPE sections; a rotation ropepool computes itself, e.g. DeepSeek's YaRN).
+    positions may be MRoPE's ``[3, num_tokens]``.
     """
     if kv_cache_dtype not in CACHE_DTYPES:
         raise RopePoolError(f"kv_cache_dtype {kv_cache_dtype!r} is not one ropepool writes; expected one of "
@@ -139,7 +150,7 @@ def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cach
                             "reports it unsupported), e.g. int4_per_token_head or nvfp4.")
     head_size = key.shape[-1]
     n = slot_mapping.shape[0]
-    q, k, v, pos = query[:n], key[:n], value[:n], positions[:n]
+    q, k, v, pos = query[:n], key[:n], value[:n], positions[..., :n]
     fp8 = CACHE_DTYPES[kv_cache_dtype]
     scales = {} if fp8 is None else {"k_scale": k_scale, "v_scale": v_scale}
     row = head_size
@@ -156,9 +167,9 @@ def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cach
     if fp8 is not None and k_cache.dtype != fp8:
         k_cache, v_cache = k_cache.view(fp8), v_cache.view(fp8)
     rope_pool_fused(q, k, v, pos, slot_mapping, k_cache, v_cache, head_dim=head_size, num_qo_heads=q.shape[1],
-                    num_kv_heads=k.shape[1], rope=_table(cos_sin_cache, is_neox),
-                    kv_layout="HND" if layout == "cpu" else "NHD", q_out=q,
-                    k_out=k, backend=backend, qk_norm=qk_norm, **scales)
+                    num_kv_heads=k.shape[1], rope=_table(cos_sin_cache, is_neox) if rope is None else rope,
+                    kv_layout="HND" if layout == "cpu" else "NHD", q_out=q if q_out is None else q_out[:n],
+                    k_out=k if k_out is None else k_out[:n], backend=backend, qk_norm=qk_norm, **scales)
 
 
 # --- the vLLM plugin -----------------------------------------------------------------------------------
@@ -188,32 +199,102 @@ def probe_layout(backend_cls) -> str | None:
     return {(2, 3, 16, 1, 16): "kv_first", (3, 2, 16, 1, 16): "blocks_first", (3, 1, 16, 32): "packed"}.get(shape)
 
 
+# vLLM's fused hooks (vllm/v1/attention/backend.py, AttentionImpl) and the gate each fusion pass asks first.
+HOOKS = {"do_rope_and_kv_cache_update": "fused_rope_kvcache_supported",
+         "do_qk_norm_rope_kvcache_update": "fused_qk_norm_rope_kvcache_supported",
+         "do_qk_norm_mrope_kvcache_update": "fused_qk_norm_mrope_kvcache_supported"}
+
+
+def _cache_args(impl, layer, kv_cache, layout) -> dict:
+    """rope_and_cache's cache arguments for a layer of ``impl``: its cache type, scales and layout."""
+    caches = {}
+    if impl.kv_cache_dtype in PER_TOKEN_HEAD:  # vLLM's float32 views of the scale bytes of each row
+        impl._ensure_scale_caches(kv_cache)
+        caches = {"k_scale_cache": impl._k_scale_cache, "v_scale_cache": impl._v_scale_cache}
+    return dict(kv_cache_dtype=impl.kv_cache_dtype, k_scale=layer._k_scale, v_scale=layer._v_scale, layout=layout,
+                **caches)
+
+
+def _qkv(impl, qkv, q_weight, k_weight, eps, slot_mapping):
+    """The QK-norm hooks' inputs as rope_and_cache takes them: q, k, v views of the fused projection ``qkv``
+    ``[T, (num_heads + 2 * num_kv_heads) * head_size]``, the layer's ``QKNorm`` (made once per weights), and
+    the slots padded with -1 to T: the fused op's q_out / k_out cover every token, CUDA-graph padding too
+    (as the unfused rms_norm + rotary ops it replaces), while only the first n are written."""
+    d, hq, hkv = impl.head_size, impl.num_heads, impl.num_kv_heads
+    t = qkv.shape[0]
+    q, k, v = qkv.split([hq * d, hkv * d, qkv.shape[-1] - (hq + hkv) * d], dim=-1)
+    held = getattr(impl, "_ropepool_qk_norm", None)
+    if held is None or held[0] is not q_weight or held[1] is not k_weight or held[2] != eps:
+        held = impl._ropepool_qk_norm = (q_weight, k_weight, eps, QKNorm(q_weight.reshape(-1), k_weight.reshape(-1),
+                                                                         eps=float(eps)))
+    n = slot_mapping.shape[0]
+    slots = slot_mapping if n == t else torch.cat((slot_mapping, slot_mapping.new_full((t - n,), -1)))
+    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, -1), held[3], slots
+
+
+def _rope_update(impl, layer, query, key, value, positions, cos_sin_cache, is_neox, kv_cache, layer_slot_mapping,
+                 layout):
+    """``do_rope_and_kv_cache_update``: query and key rotated in place, rotated key and value written."""
+    rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cache, layer_slot_mapping,
+                   **_cache_args(impl, layer, kv_cache, layout))
+
+
+def _qk_norm_rope_update(impl, layer, qkv, q_out, k_out, positions, q_weight, k_weight, rms_norm_eps, cos_sin_cache,
+                         is_neox, kv_cache, layer_slot_mapping, layout):
+    """``do_qk_norm_rope_kvcache_update``: q_out and k_out get RoPE(rms_norm(q or k) * weight) of every token,
+    the cache the first n keys and values (v split from qkv, unnormalised); qkv is not written."""
+    q, k, v, qk_norm, slots = _qkv(impl, qkv, q_weight, k_weight, rms_norm_eps, layer_slot_mapping)
+    rope_and_cache(q, k, v, positions, cos_sin_cache, is_neox, kv_cache, slots, q_out=q_out, k_out=k_out,
+                   qk_norm=qk_norm, **_cache_args(impl, layer, kv_cache, layout))
+
+
+def _qk_norm_mrope_update(impl, layer, qkv, q_out, positions, q_weight, k_weight, rms_norm_eps, cos_sin_cache, is_neox,
+                          mrope_section, is_interleaved, rotary_dim, kv_cache, layer_slot_mapping, layout):
+    """``do_qk_norm_mrope_kvcache_update``: as the QK-norm hook with MRoPE (``[3, T]`` positions, vLLM's
+    ``[max_position, rotary_dim]`` table); the key goes to the cache only (vLLM's op has no k_out)."""
+    if rotary_dim != cos_sin_cache.shape[-1]:
+        raise RopePoolError(f"rotary_dim {rotary_dim} is not the width of cos_sin_cache {list(cos_sin_cache.shape)};"
+                            " expected the MRoPE table's [max_position, rotary_dim]. Fix: pass the layer's rotary "
+                            "embedding's cos_sin_cache and rotary_dim.")
+    q, k, v, qk_norm, slots = _qkv(impl, qkv, q_weight, k_weight, rms_norm_eps, layer_slot_mapping)
+    rope = CosSinCache(cos_sin_cache, is_neox=is_neox, mrope_section=tuple(mrope_section),
+                       mrope_interleaved=is_interleaved)
+    rope_and_cache(q, k, v, positions, cos_sin_cache, is_neox, kv_cache, slots, q_out=q_out,
+                   k_out=torch.empty_like(k), rope=rope, qk_norm=qk_norm, **_cache_args(impl, layer, kv_cache, layout))
+
+
+OURS = {"do_rope_and_kv_cache_update": _rope_update, "do_qk_norm_rope_kvcache_update": _qk_norm_rope_update,
+        "do_qk_norm_mrope_kvcache_update": _qk_norm_mrope_update}
+
+
+def _gate(own):
+    def gate(self):
+        return supported(self) or own(self)
+    return gate
+
+
+def _hook(name, own, layout):
+    def hook(self, layer, *args):
+        if supported(self):
+            return OURS[name](self, layer, *args, layout=layout)
+        if own is None:  # vLLM asks the gate first (False here): only a direct call gets this far
+            raise NotImplementedError(f"{type(self).__name__}.{name}: this layer is not one ropepool serves "
+                                      "(register()'s supported()) and the class has no such hook of its own. Fix: "
+                                      f"call it only where {HOOKS[name]}() is True, as vLLM's fusion passes do.")
+        return own(self, layer, *args)
+    hook.__name__ = name
+    return hook
+
+
 def install(impl_cls, layout: str | None = None) -> None:
-    """Route ``impl_cls``'s fused RoPE + cache write through ropepool wherever ``supported``;
-    elsewhere the class keeps its own methods (e.g. ROCm's AITER kernel, a backend without scale views)."""
+    """Route ``impl_cls``'s three fused hooks (``HOOKS``: RoPE + cache write, and QK-norm + RoPE or MRoPE +
+    cache write) through ropepool wherever ``supported``; elsewhere the class keeps its own methods (e.g.
+    ROCm's AITER kernels, a backend without scale views)."""
     if getattr(impl_cls, "_ropepool_installed", False):
         return
-    own_supported = getattr(impl_cls, "fused_rope_kvcache_supported", lambda self: False)
-    own_update = getattr(impl_cls, "do_rope_and_kv_cache_update", None)
-
-    def fused_rope_kvcache_supported(self):
-        return supported(self) or own_supported(self)
-
-    def do_rope_and_kv_cache_update(self, layer, query, key, value, positions, cos_sin_cache, is_neox, kv_cache,
-                                    layer_slot_mapping):
-        if not supported(self):
-            return own_update(self, layer, query, key, value, positions, cos_sin_cache, is_neox, kv_cache,
-                              layer_slot_mapping)
-        caches = {}
-        if self.kv_cache_dtype in PER_TOKEN_HEAD:  # vLLM's float32 views of the scale bytes of each row
-            self._ensure_scale_caches(kv_cache)
-            caches = {"k_scale_cache": self._k_scale_cache, "v_scale_cache": self._v_scale_cache}
-        rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cache, layer_slot_mapping,
-                       kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale, v_scale=layer._v_scale,
-                       layout=layout, **caches)
-
-    impl_cls.fused_rope_kvcache_supported = fused_rope_kvcache_supported
-    impl_cls.do_rope_and_kv_cache_update = do_rope_and_kv_cache_update
+    for name, gate in HOOKS.items():
+        setattr(impl_cls, gate, _gate(getattr(impl_cls, gate, lambda self: False)))
+        setattr(impl_cls, name, _hook(name, getattr(impl_cls, name, None), layout))
     impl_cls._ropepool_installed = True
 
 
