@@ -211,13 +211,20 @@ class Cache:
     def pools(self):
         return self.views(self.owners)
 
-    def rows(self, pool, slots):
-        """The rows of ``slots`` in the written layer of ``pool`` (the slot formula, spelled out here)."""
+    def rows(self, pool, slots, which=0):
+        """The rows of ``slots`` in the written layer of ``pool`` (the slot formula, spelled out here);
+        ``which``: 0 the k pool, 1 the v pool (their AMX packings differ)."""
         p = pool if self.layer is None else pool[self.layer]
         slots = np.asarray(slots, dtype=np.int64)
         if self.kv_layout is None:
             return p[slots]
         page, row = slots // self.page_size, slots % self.page_size
+        if self.kv_layout == "amx":  # vLLM's AMX packing of each (block, head) run, as docs/engines.md gives it
+            pages, heads, bs, dim = p.shape
+            t, h, d = row[:, None, None], np.arange(heads)[None, :, None], np.arange(dim)[None, None, :]
+            at = ((t // 16) * (dim // 2) + d // 2) * 32 + t % 16 * 2 + d % 2 if which == 0 else \
+                ((d // 16) * (bs // 2) + t // 2) * 32 + d % 16 * 2 + t % 2
+            return p.reshape(pages, heads, bs * dim)[page[:, None, None], h, at]
         return p[page, row] if self.kv_layout == "NHD" else p[page, :, row]
 
     @property
@@ -233,8 +240,8 @@ def make_cache(rng, dtype, pool_size, heads, dim, *, kv_layout=None, page_size=1
     pages = pool_size // page_size
     shapes = []
     for d in (dim, dim if v_dim is None else v_dim):
-        one = {None: (pool_size,), "NHD": (pages, page_size), "HND": (pages,)}[kv_layout]
-        one += ((heads,) if headed else ()) + ((page_size,) if kv_layout == "HND" else ()) + (d,)
+        one = {None: (pool_size,), "NHD": (pages, page_size), "HND": (pages,), "amx": (pages,)}[kv_layout]
+        one += ((heads,) if headed else ()) + ((page_size,) if kv_layout in ("HND", "amx") else ()) + (d,)
         shapes.append(((layers,) if layers else ()) + one)
     return Cache([randn(rng, *s, dtype=dtype, scale=scale) for s in shapes], kv_layout, page_size,
                  layer if layers else None, headed=headed)
@@ -257,14 +264,14 @@ def poison(cache: Cache, slots, rng=None) -> Cache:
     canaries = sorted(near - set(written))
     raw = [bits(o).reshape(-1).copy() for o in cache.owners]
     ids = element_ids(cache)
-    for pool_ids in cache.views(ids):
-        _set(raw, cache.rows(pool_ids, written), specials[:1])
+    for which, pool_ids in enumerate(cache.views(ids)):
+        _set(raw, cache.rows(pool_ids, written, which), specials[:1])
         if canaries:
-            _set(raw, cache.rows(pool_ids, canaries), specials)
+            _set(raw, cache.rows(pool_ids, canaries, which), specials)
         if cache.layer is not None:
             for other in range(pool_ids.shape[0]):
                 if other != cache.layer % pool_ids.shape[0]:
-                    _set(raw, dataclasses.replace(cache, layer=other).rows(pool_ids, written), specials)
+                    _set(raw, dataclasses.replace(cache, layer=other).rows(pool_ids, written, which), specials)
     cache.owners = [r.view(o.dtype).reshape(o.shape) for r, o in zip(raw, cache.owners)]
     return cache
 
@@ -474,9 +481,9 @@ def check_memory(X: Backend, cache: Cache, before, slots, writes, tol):
     written = np.zeros(flat_before.size, bool)
     values = np.concatenate([a.reshape(-1) for a in after])
     fp8 = dtype_name(after[0]).startswith("float8")
-    for name, pool_ids, (exact, ref, scale, pad) in zip(("first pool", "second pool"), cache.views(element_ids(
-            cache)), writes):
-        ids = cache.rows(pool_ids, slots)
+    for which, (name, pool_ids, (exact, ref, scale, pad)) in enumerate(zip(
+            ("first pool", "second pool"), cache.views(element_ids(cache)), writes)):
+        ids = cache.rows(pool_ids, slots, which)
         assert not written[ids].any(), "the two pools share memory"
         written[ids] = True
         got = values[ids]

@@ -136,7 +136,25 @@ CASES = [
       r"^layer must be in \[-3, 3\) for a pool of 3 layers; got -4"),
     C("layer-float", both(pools((LAYERS, P, HKV, D)), change(layer=1.0)), TypeError,
       r"^layer must be an int; got float"),
-    C("kv_layout-unknown", change(kv_layout="nhd"), ValueError, r"^kv_layout must be None, 'NHD' or 'HND'; got 'nhd'"),
+    C("kv_layout-unknown", change(kv_layout="nhd"), ValueError,
+      r"^kv_layout must be None, 'NHD', 'HND' or 'amx'; got 'nhd'"),
+    # vLLM's CPU AMX cache: a valid call is pools((1, HKV, 16, D)) with kv_layout="amx" (tests/test_amx_layout.py)
+    C("amx-page-size-8", both(pools((2, HKV, 8, D)), change(kv_layout="amx")), ValueError,
+      r"^kv_layout='amx' stores tiles of 16 x 2 \(keys\) and 2 x 16 \(values\) tokens x features, so page_size "
+      r"must be a multiple of 16 and head_dim of 16; got page_size 8, head_dim 16"),
+    C("amx-head-dim-8", both(pools((1, HKV, 16, 8)), change(kv_layout="amx", head_dim=8, q=lambda a, X: a["q"][..., :8],
+                                                           k=lambda a, X: a["k"][..., :8],
+                                                           v=lambda a, X: a["v"][..., :8])), ValueError,
+      r"^kv_layout='amx' stores tiles .*; got page_size 16, head_dim 8"),
+    C("amx-transposed-blocks", both(change(kv_layout="amx"), change(
+        k_pool=torch_(lambda t, a: t.zeros(1, HKV, D, 16).transpose(-1, -2)),
+        v_pool=torch_(lambda t, a: t.zeros(1, HKV, 16, D)))), ValueError,
+      r"^kv_layout='amx' needs each \(page, head\) block of k_pool to be one contiguous page_size x head_dim run "
+      r"\(strides \[\.\.\., 16, 1\]\); got strides \[512, 256, 1, 16\]", TORCH),
+    C("amx-fp8", both(pools((1, HKV, 16, D), "float8_e4m3fn"), change(kv_layout="amx", k_scale=1.0, v_scale=1.0)),
+      ValueError, r"^kv_layout='amx' takes pools in q's dtype; got scaled pools \(float8_e4m3fn\)", TORCH),
+    C("amx-with-mlx", both(pools((1, HKV, 16, D)), change(kv_layout="amx")), TypeError,
+      r"^kv_layout='amx' \(vLLM's CPU AMX-packed cache\) is for torch tensors; got mx\.array inputs", "mlx"),
     C("kv_layout-with-flat-pool", change(kv_layout="NHD"), ValueError,
       r"^rope_pool_fused expects pool tensors to be 4-D with kv_layout='NHD'; got k_pool and v_pool of "
       r"shape \[12, 2, 16\] \(3-D\)\. Fix: drop kv_layout="),
@@ -642,6 +660,9 @@ LATENT_CASES = [
     C("ckv-3d", caches((P, 1, RANK), (P, D)), ValueError,
       r"^rope_latent_fused expects pool tensors to be 2-D; got ckv_cache of shape \[12, 1, 24\] \(3-D\)\. "
       r"Fix: pass layer=<index> for a layer-stacked pool"),
+    C("amx-latent", change(kv_layout="amx"), ValueError,
+      r"^kv_layout='amx' is for rope_pool_fused's k and v pools; got it for rope_latent_fused's kpe_cache and "
+      r"ckv_cache\. Fix: pass kv_layout='NHD'"),
     C("paged-with-flat-caches", change(kv_layout="NHD"), ValueError,
       r"^rope_latent_fused expects pool tensors to be 3-D with kv_layout='NHD'; got kpe_cache of shape \[12, 16\]"),
     C("fp8-without-scale", caches((P, RANK), (P, D), "float8_e4m3fn"), ValueError,

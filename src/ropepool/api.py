@@ -34,7 +34,8 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
         ``[num_layers, ...]`` of it with ``layer=``; with ``kv_layout="NHD"``
         ``[num_pages, page_size, num_kv_heads, head_dim]`` and with ``"HND"``
         ``[num_pages, num_kv_heads, page_size, head_dim]`` (slot =
-        page * page_size + row). q's dtype, or float8 with scales (MLX: uint8
+        page * page_size + row); with ``"amx"`` the HND shape, each (page, head)
+        block packed as vLLM's CPU AMX cache (docs/layouts.md). q's dtype, or float8 with scales (MLX: uint8
         holding e4m3, as ``mx.to_fp8`` stores it). A block-quantized cache is
         the tuple of its arrays, each in that layout with its own last dim:
         NVFP4 ``(data, block_scales)`` (k_scale / v_scale: its global decode
@@ -50,7 +51,7 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
         counts from the end.
     k_scale, v_scale : float, one-element or [num_kv_heads] float32 tensor
         fp8 pools store ``value / scale``, saturated to the format's range.
-    kv_layout : {None, "NHD", "HND"}
+    kv_layout : {None, "NHD", "HND", "amx"}
     q_out, k_out : torch.Tensor, optional
         Where to write q_rot and k_rot (may be q and k themselves); float8
         with ``q_scale`` / ``k_out_scale`` to receive ``x_rot / scale``.

@@ -33,7 +33,8 @@ STORES = frozenset({"pool.scaled", "pool.per_token_head", "q_out.scaled", "k_out
 BLOCK = frozenset({"pool.nvfp4", "pool.affine", "pool.block.torch"})
 DSA = frozenset({"pool.fp8_ds_mla", "pool.indexer", "pool.indexer_ue8m0", "pool.none"})  # DeepSeek V3.2's caches
 TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
-ALL = ROTATION | STORES | BLOCK | DSA | TORCH
+LAYOUT = frozenset({"layout.amx"})  # tiled pools (checks/layout.py: TILED): vLLM's CPU AMX cache
+ALL = ROTATION | STORES | BLOCK | DSA | TORCH | LAYOUT
 
 
 def _functional(framework: str, feature: str, names: str = "", name: str = "") -> None:
@@ -46,6 +47,10 @@ def _functional(framework: str, feature: str, names: str = "", name: str = "") -
     if feature == "out":
         raise TypeError(f"q_out/k_out are for torch tensors; got them with {given} inputs. Fix: drop {names} (MLX and "
                         "NumPy calls are functional).")
+    if feature in LAYOUT:
+        raise TypeError(f"kv_layout='amx' (vLLM's CPU AMX-packed cache) is for torch tensors; got {given} inputs. "
+                        "Fix: pass torch tensors, or kv_layout='HND' for MLX pools (MLX has no strided views, "
+                        "which the tiles are written through; docs/layouts.md).")
     if feature in DSA:
         raise TypeError(f"DeepSeek V3.2's caches (fp8_ds_mla rows, the indexer's keys) are for torch tensors; got "
                         f"{given} inputs. Fix: pass torch tensors (the formats are uint8 byte rows that the torch "
@@ -118,13 +123,14 @@ def _mlx_why_not(q) -> str | None:
 
 # In order of preference within a framework.
 BACKENDS = (
-    Backend("triton", "torch", ".triton_op", ALL - {"pool.block.torch"}, ("cuda",), _triton_why_not),
+    # (vLLM's AMX cache is a CPU cache: the kernel has no tiled addressing; the general torch code writes it)
+    Backend("triton", "torch", ".triton_op", ALL - {"pool.block.torch"} - LAYOUT, ("cuda",), _triton_why_not),
     # torch on CPU tensors in fewer passes; per-token-head caches, fp8 outputs, MRoPE, autograd and tracing
     # stay on the general torch code (its fallback too, for calls it declines at run time).
     Backend("torch", "torch", ".torch_cpu", ALL - {"mrope", "pool.per_token_head", "q_out.scaled", "k_out.scaled"}
             - BLOCK - TORCH, ("cpu",), _cpu_why_not, fallback=".torch_eager"),
     Backend("torch", "torch", ".torch_eager", ALL),
-    Backend("mlx", "mlx", ".mlx", ALL - {"pool.per_token_head", "q_out.scaled", "k_out.scaled"} - TORCH - DSA,
+    Backend("mlx", "mlx", ".mlx", ALL - {"pool.per_token_head", "q_out.scaled", "k_out.scaled"} - TORCH - DSA - LAYOUT,
             why_not=_mlx_why_not, refuse=_functional),
 )
 NAMES = sorted({b.name for b in BACKENDS})

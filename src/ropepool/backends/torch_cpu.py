@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks.layout import page_and_row, paged_view
+from ..checks.layout import TILED, page_and_row, paged_view, write_at
 from ..checks.values import STEP
 from . import arraymath, dsa_store, paths, torch_cpu_compiled
 from .torch_arrays import TorchOps, extras
@@ -53,10 +53,11 @@ _TABLE_BYTES = 256 << 20
 _table_bytes = [0]
 
 
-def strided(arrays) -> bool:
-    """Whether a pool's head dim is strided (vLLM's CPU key cache, seen transposed): ``write`` stores
-    through the view; one_token's lane and the compiled step's pool writes are not tested with it."""
-    return any(p.stride(-1) != 1 and p.shape[-1] != 1 for p in arrays[5:7])
+def strided(plan, arrays) -> bool:
+    """Whether a pool's head dim is strided (vLLM's CPU key cache, seen transposed) or the pools are tiled
+    (vLLM's AMX cache): ``write`` stores through the view; one_token's lane and the compiled step's pool
+    writes are not tested with them."""
+    return plan.call.pool.kv_layout in TILED or any(p.stride(-1) != 1 and p.shape[-1] != 1 for p in arrays[5:7])
 
 
 def _tables_of(freqs) -> dict:
@@ -82,7 +83,7 @@ class Prepared:
 
     def bind(self, *arrays):
         ex = extras(self.plan.fixed, arrays[0].device)
-        return Fast(self.plan, ex, self.fallback.bind(*arrays), strided(arrays)).run
+        return Fast(self.plan, ex, self.fallback.bind(*arrays), strided(self.plan, arrays)).run
 
 
 def prepare(plan, tuning, fallback):
@@ -256,10 +257,12 @@ class Fast(OneToken, Normed):
         """The pool as ``[rows, heads, dim]`` (slot = row), or None where a page's rows are not one run (HND)."""
         if self.flat:
             return pool
+        if self.call.pool.kv_layout in TILED:
+            return None
         view = paged_view(pool, self.call.pool)
         return view.flatten(0, 1) if view.stride(0) == view.shape[1] * view.stride(1) else None
 
-    def write(self, pool, rows, slots, keep, scale=None):
+    def write(self, pool, rows, slots, keep, scale=None):  # scale: 0 the k pool, 1 the v pool
         """``rows [T, H, dim]`` into the pool at ``slots`` (int64); ``keep``: the tokens written (None: all).
         An fp8 pool stores ``rows / scale`` saturated, as torch_eager quantizes (arraymath.quantize), its
         bytes copied (index_copy_ has no fp8 kernels)."""
@@ -279,7 +282,9 @@ class Fast(OneToken, Normed):
         if flat is not None:  # one index a slot
             flat.index_copy_(0, slots, rows)
         else:
-            paged_view(pool, self.call.pool).index_put_(page_and_row(slots, self.call.pool.page_size), rows)
+            view, index, rows = write_at(pool, self.call.pool, scale, *page_and_row(slots, self.call.pool.page_size),
+                                         rows)
+            view.index_put_(index, rows)
         paths.took("torch_cpu.write")
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):

@@ -8,7 +8,7 @@ views.
 """
 from __future__ import annotations
 
-from ..checks.layout import page_and_row, paged_view
+from ..checks.layout import page_and_row, paged_view, write_at
 from . import arraymath, blockquant, dsa_store
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
@@ -50,7 +50,8 @@ class Prepared:
                                                                                BLOCK_OPS)):
                     paged_view(part.view(stored.dtype), call.pool).index_put_((page, row), stored)
             return q_rot, k_rot, k_pool, v_pool
-        for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale), (v_pool, v3, st.v_pool, ex.v_scale)):
+        for which, (pool, rows, store, scale) in enumerate(((k_pool, k_rows, st.k_pool, ex.k_scale),
+                                                            (v_pool, v3, st.v_pool, ex.v_scale))):
             rows = rows[write]
             if store.format in dsa_store.FORMATS:  # DeepSeek V3.2's byte rows (backends/dsa_store.py)
                 dsa_store.put(store.format, pool, call.pool, page, row, rows[:, 0], DSA_OPS)
@@ -60,7 +61,8 @@ class Prepared:
                 paged_view(store.scale_cache[..., None], call.pool).index_put_((page, row), s[..., None])
             elif store.format == "scaled":
                 rows = arraymath.quantize(rows.float(), scale, store.qmax, ops)
-            paged_view(pool, call.pool).index_put_((page, row), rows.to(pool.dtype))
+            view, index, rows = write_at(pool, call.pool, which, page, row, rows.to(pool.dtype))
+            view.index_put_(index, rows)
         return q_rot, k_rot, k_pool, v_pool
 
 

@@ -6,12 +6,23 @@ latent caches have no head dim: they are the case ``num_heads == 1``.
 ``pool_geometry`` reads a layout from a shape (validation and every backend
 use it); ``paged_view`` makes the 4-D view, a view on torch, NumPy and MLX,
 so writing through it writes the caller's pool.
+
+A tiled layout (``TILED``: vLLM's CPU AMX cache, ``kv_layout="amx"``) has the
+HND shape but stores each (page, head) block's ``page_size x dim`` values in
+tiles, which no 4-D view reaches; split the row into (row // tile, row % tile)
+and the feature likewise and the address is affine again: ``tiled_view`` is
+that 6-D view (torch), ``write_at`` gives any layout's view, index and rows.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KV_LAYOUTS = ("NHD", "HND")
+KV_LAYOUTS = ("NHD", "HND", "amx")
+# kv_layout -> how each (page, head) block of the k pool and of the v pool is stored: (tokens a tile, features a
+# tile, token-major). Token-major: the block is [page_size / tt, dim / td, tt, td] (vLLM's AMX keys: 16 tokens
+# x 2 features, the bf16 pairs of a token together); feature-major: [dim / td, page_size / tt, td, tt] (its
+# values: 2 tokens x 16 features, each feature's pair of tokens together). docs/layouts.md shows the bytes.
+TILED = {"amx": ((16, 2, True), (2, 16, False))}
 
 
 @dataclass(frozen=True)
@@ -53,13 +64,14 @@ def pool_geometry(shape, layer: int | None, kv_layout: str | None, headed: bool 
         (pages, heads, dim), page_size = shape, 1
     elif kv_layout == "NHD":
         pages, page_size, heads, dim = shape
-    else:
+    else:  # HND, and the tiled layouts' shape
         pages, heads, page_size, dim = shape
     return PoolGeometry(layer, kv_layout, headed, num_layers, pages, page_size, heads, dim)
 
 
 def paged_view(pool, geom: PoolGeometry):
     """``pool`` as a 4-D NHD view of the layer written: ``[num_pages, page_size, num_heads, dim]``."""
+    assert geom.kv_layout not in TILED, "a tiled pool has no 4-D view: write it through write_at"
     p = pool if geom.layer is None else pool[geom.layer]
     if not geom.headed:
         p = p[..., None, :]
@@ -68,6 +80,28 @@ def paged_view(pool, geom: PoolGeometry):
     if geom.kv_layout == "HND":
         return p.swapaxes(1, 2)
     return p
+
+
+def tiled_view(pool, geom: PoolGeometry, which: int):
+    """A tiled pool (``which``: 0 the k pool, 1 the v pool) of the layer written, as the 6-D torch view
+    ``[num_pages, page_size // tt, tt, num_heads, dim // td, td]``: row r, feature d of a head are at
+    ``[page, r // tt, r % tt, head, d // td, d % td]``. Each (page, head) block must be one contiguous run
+    (checks/pools.py: ``check_tiled``)."""
+    tt, td, token_major = TILED[geom.kv_layout][which]
+    p = pool if geom.layer is None else pool[geom.layer]
+    pages, heads, rows, dim = p.shape
+    if token_major:  # the block as [rows / tt, dim / td, tt, td]
+        return p.flatten(-2).unflatten(-1, (rows // tt, dim // td, tt, td)).permute(0, 2, 4, 1, 3, 5)
+    return p.flatten(-2).unflatten(-1, (dim // td, rows // tt, td, tt)).permute(0, 3, 5, 1, 2, 4)
+
+
+def write_at(pool, geom: PoolGeometry, which: int, page, row, rows):
+    """``(view, index, values)`` with ``view[index] = values`` writing ``rows [n, heads, dim]`` at (page, row)
+    of ``pool`` (``which``: 0 the k pool, 1 the v pool) in any layout (torch)."""
+    if geom.kv_layout not in TILED:
+        return paged_view(pool, geom), (page, row), rows
+    tt, td, _ = TILED[geom.kv_layout][which]
+    return tiled_view(pool, geom, which), (page, row // tt, row % tt), rows.unflatten(-1, (-1, td))
 
 
 def page_and_row(slots, page_size: int):

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import RopePoolError
 from .arrays import as_float32, is_int, reshape_word, same_place, shape_of
 from .dtypes import FP8_DTYPES, FRAMEWORK_TYPES, MLX_FP8, dtype_name, framework_of, tracing
-from .layout import KV_LAYOUTS, PoolGeometry, pool_geometry, pool_rank
+from .layout import KV_LAYOUTS, TILED, PoolGeometry, pool_geometry, pool_rank
 
 
 def _pool_fix(fw, name, pool, heads, dim) -> str:
@@ -43,9 +43,12 @@ def check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim, 
     if layer is not None and not is_int(layer):
         raise TypeError(f"layer must be an int; got {type(layer).__name__}. Fix: pass the layer index.")
     if kv_layout is not None and kv_layout not in KV_LAYOUTS:
-        raise RopePoolError(f"kv_layout must be None, 'NHD' or 'HND'; got {kv_layout!r}. "
+        raise RopePoolError(f"kv_layout must be None, 'NHD', 'HND' or 'amx'; got {kv_layout!r}. "
                             "Fix: None for [pool_size, heads, dim], 'NHD' for [pages, page_size, heads, dim], "
-                            "'HND' for [pages, heads, page_size, dim].")
+                            "'HND' for [pages, heads, page_size, dim], 'amx' for vLLM's CPU AMX-packed cache.")
+    if kv_layout in TILED and not headed:
+        raise RopePoolError(f"kv_layout={kv_layout!r} is for rope_pool_fused's k and v pools; got it for {op}'s "
+                            f"{' and '.join(dict.fromkeys(names))}. Fix: pass kv_layout='NHD' (or None).")
     want = pool_rank(kv_layout, layer, headed)
     pools = dict(zip(names, (k_pool, v_pool)))
     wrong = [n for n, pool in pools.items() if pool.ndim != want]
@@ -75,7 +78,8 @@ def check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim, 
     v_bad = (v_geom.num_heads, v_geom.dim) != (heads, v_dim)
     if k_bad:  # k_pool's own heads or width first, as the seed checks them: a v_pool equally wrong is no mismatch
         expect = {None: "[pool_size, num_kv_heads, head_dim]", "NHD": "[num_pages, page_size, num_kv_heads, head_dim]",
-                  "HND": "[num_pages, num_kv_heads, page_size, head_dim]"}[kv_layout]
+                  "HND": "[num_pages, num_kv_heads, page_size, head_dim]",
+                  "amx": "[num_pages, num_kv_heads, page_size, head_dim]"}[kv_layout]
         if not headed:
             expect = expect.replace("num_kv_heads, ", "").replace("head_dim", "rope_dim")
         also = ""
@@ -99,7 +103,31 @@ def check_pools(op, names, k_pool, v_pool, layer, kv_layout, heads, dim, v_dim, 
             raise RopePoolError(f"layer must be in [{-n}, {n}) for a pool of {n} layers; got {layer}. "
                                 "Fix: pass a layer index of this pool.")
         k_geom = pool_geometry(k_pool.shape, int(layer) % n, kv_layout, headed)
+    if kv_layout in TILED:
+        check_tiled(names, (k_pool, v_pool), k_geom, fw)
     return k_geom
+
+
+def check_tiled(names, pools, geom: PoolGeometry, fw) -> None:
+    """A tiled layout's pools (vLLM's CPU AMX cache): rows and features whole tiles, each (page, head) block
+    one contiguous run (the tiles' address assumes it)."""
+    tiles = TILED[geom.kv_layout]
+    tt, td = (max(t[i] for t in tiles) for i in (0, 1))
+    if geom.page_size % tt or geom.dim % td:
+        raise RopePoolError(f"kv_layout={geom.kv_layout!r} stores tiles of {tiles[0][0]} x {tiles[0][1]} (keys) and "
+                            f"{tiles[1][0]} x {tiles[1][1]} (values) tokens x features, so page_size must be a "
+                            f"multiple of {tt} and head_dim of {td}; got page_size {geom.page_size}, head_dim "
+                            f"{geom.dim}. Fix: pass a cache whose block size and head size are (vLLM picks isa 'amx' "
+                            "for block sizes that are multiples of 32), or kv_layout='HND' for an unpacked one.")
+    if fw != "torch":
+        return  # MLX is refused by its backend row; NumPy's oracle addresses the bytes itself
+    for name, pool in zip(names, pools):
+        if pool.stride(-1) != 1 or pool.stride(-2) != geom.dim:
+            raise RopePoolError(f"kv_layout={geom.kv_layout!r} needs each (page, head) block of {name} to be one "
+                                f"contiguous page_size x head_dim run (strides [..., {geom.dim}, 1]); got strides "
+                                f"{list(pool.stride())}. Fix: pass vLLM's cache half as it is (a view of "
+                                "kv_cache.view(blocks, heads, 2 * block_size, head_size)), not a transpose or slice of "
+                                "its last dims.")
 
 
 def check_pool_dtypes(names, k_pool, v_pool, dt, fw, per_token_head=None) -> str | None:

@@ -24,7 +24,7 @@ from . import dsa
 from .arrays import check_devices, check_ints, check_strides, check_types, reshape_word, same_place, shape_of
 from .blocks import check_block_pools, first_array, is_block_pool
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_name, tracing
-from .layout import PoolGeometry
+from .layout import TILED, PoolGeometry
 from .pools import (
     check_distinct_pools,
     check_pool_dtypes,
@@ -145,6 +145,12 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
         k_scale, v_scale = check_pool_scales(("k_scale", "v_scale"), (k_scale, v_scale), fp8, k_pool, q,
                                               num_kv_heads)
         pools = (_store(fp8, k_scale), _store(fp8, v_scale))
+    if pool.kv_layout in TILED:
+        backends.refuse(fw, "layout." + pool.kv_layout)
+        if pools[0].quantized:
+            raise RopePoolError(f"kv_layout={pool.kv_layout!r} takes pools in q's dtype; got {pools[0].format} pools "
+                                f"({dtype_name(k_pool)}). Fix: allocate the cache in q's dtype (vLLM packs its AMX "
+                                "cache for bfloat16 only), or pass kv_layout='HND' for an unpacked quantized cache.")
     norm = _check_norm(qk_norm, q, head_dim)
     if fw == "torch":
         # positions/slots too: the kernel reads them as flat int arrays. Pools may have a strided head dim

