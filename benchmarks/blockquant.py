@@ -94,9 +94,9 @@ def torch_pools(fmt, torch):
 
 def torch_unfused(fmt, torch):
     from ropepool.backends import blockquant
+    from ropepool.backends.torch_arrays import TorchOps
 
     inv_freq = torch.tensor(BASE ** (-np.arange(0, D, 2) / D), dtype=torch.float32)
-    ops = blockquant.torch_ops()
     scale = torch.tensor(GLOBAL_SCALE)
 
     def rotate(x, cos, sin):
@@ -107,7 +107,7 @@ def torch_unfused(fmt, torch):
     def quantize(x):
         x32 = x.float()
         if fmt == "nvfp4":
-            return blockquant.nvfp4(x32, scale, ops)
+            return blockquant.nvfp4(x32, scale, TorchOps)
         return blockquant.affine_torch(x32, FORMATS[fmt], GROUP, x.dtype)
 
     def run(q, k, v, positions, slots, k_pool, v_pool):

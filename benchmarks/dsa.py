@@ -27,6 +27,7 @@ import torch
 
 import ropepool
 from ropepool.backends import dsa_store, torch_cpu_compiled
+from ropepool.backends.torch_arrays import TorchOps
 from ropepool.cli.bench import environment
 from ropepool.reference import dsa as reference_dsa
 
@@ -64,22 +65,19 @@ def rotate_native(x, cos_sin, positions, gptj):
     return torch.cat((rot, x[..., r:]), -1) if r < x.shape[-1] else rot
 
 
-OPS = dsa_store.torch_ops()
-
-
 def eager_ds_mla(s, cache, cos_sin):
     q = rotate_native(s["q"], cos_sin, s["pos"], True)
     k = rotate_native(s["k"][:, None], cos_sin, s["pos"], True)[:, 0]
-    cache.view(-1, cache.shape[-1]).index_copy_(0, s["slots"], dsa_store.ds_mla_rows(s["kv_c"], k, OPS))
+    cache.view(-1, cache.shape[-1]).index_copy_(0, s["slots"], dsa_store.ds_mla_rows(s["kv_c"], k, TorchOps))
     return q
 
 
 def eager_indexer(s, cache, cos_sin):
     q = rotate_native(s["q"], cos_sin, s["pos"], False)
     k = rotate_native(s["k"][:, None], cos_sin, s["pos"], False)[:, 0]
-    values, scales = dsa_store.indexer_rows(k, True, OPS)
+    values, scales = dsa_store.indexer_rows(k, True, TorchOps)
     page, row = s["slots"] // BLOCK, s["slots"] % BLOCK
-    at_v, at_s = dsa_store.indexer_at(row, k.shape[1], BLOCK, OPS)
+    at_v, at_s = dsa_store.indexer_at(row, k.shape[1], BLOCK, TorchOps)
     flat = cache.view(cache.shape[0], -1)
     flat.index_put_((page[:, None], at_v), values)
     flat.index_put_((page[:, None], at_s), scales)

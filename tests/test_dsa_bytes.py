@@ -228,8 +228,10 @@ def test_store_math_is_the_oracles(rng, framework, dtype):
 
     if framework == "mlx":
         pytest.importorskip("mlx.core")
+        from ropepool.backends.mlx_arrays import MlxOps as ops
+    else:
+        from ropepool.backends.torch_arrays import TorchOps as ops
     fw = Backend("mlx") if framework == "mlx" else CPU
-    ops = dsa_store.mlx_ops() if framework == "mlx" else dsa_store.torch_ops()
     kv_c, k_pe = scaled_rows(rng, 9, 512, dtype), randn(rng, 9, 64, dtype=dtype)
     rows = dsa_store.ds_mla_rows(fw.array(kv_c), fw.array(k_pe), ops)
     np.testing.assert_array_equal(np.array(rows) if framework == "mlx" else rows.numpy(),

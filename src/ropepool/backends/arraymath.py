@@ -1,8 +1,11 @@
 """The op as array math, written once for every array framework (PyTorch, MLX).
 
 The Triton kernel does this per token in registers; here it is whole-array
-code over an ``ops`` adapter (``TorchOps``, ``MlxOps``) that names the few
-functions whose spelling differs. It reads only the Call's records: the
+code over an ``ops`` adapter (``torch_arrays.TorchOps``, ``mlx_arrays.MlxOps``,
+shared with ``blockquant`` and ``dsa_store``) that names the few functions
+whose spelling differs. The NumPy oracle (``ropepool.reference``) is not
+written over it: it is the independent float64 definition these are checked
+against. It reads only the Call's records: the
 rotation (frequencies or the engine's table, pair style, MRoPE rows, attention
 scaling) and the norm. Everything is float32 until the one cast at the end.
 """

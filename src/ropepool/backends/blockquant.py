@@ -4,11 +4,10 @@ The same float32 steps, in the same order, as the engines' own writers
 (``ropepool.reference.quant`` has the NumPy models and cites the sources), so
 the bytes agree exactly. On MLX the affine format is ``mx.quantize`` itself.
 Each function takes float32 rows ``[..., D]`` and returns the parts a pool
-stores for them; the pool write is the backend's.
+stores for them; the pool write is the backend's. ``ops`` is the framework's
+adapter (``torch_arrays.TorchOps``, ``mlx_arrays.MlxOps``).
 """
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 from ..reference.quant import E2M1_MAX, NVFP4_BLOCK
 
@@ -32,12 +31,12 @@ def nvfp4(x32, global_scale, ops):
     block scales as e4m3 bits uint8 [..., D // 16])``. ``global_scale``: a float32 scalar array."""
     *lead, D = x32.shape
     blocks = x32.reshape(*lead, D // NVFP4_BLOCK, NVFP4_BLOCK)
-    amax = ops.amax_last(ops.abs(blocks))
+    amax = ops.absmax_last(blocks)
     live = amax > 0
-    zero = ops.f32(0.0, x32)
-    sf_bits = ops.to_e4m3(ops.where(live, amax / (ops.f32(E2M1_MAX, x32) * global_scale), zero))
+    zero = ops.scalar(0.0, x32)
+    sf_bits = ops.to_e4m3(ops.where(live, amax / (ops.scalar(E2M1_MAX, x32) * global_scale), zero))
     sf = ops.from_e4m3(sf_bits)
-    out_scale = ops.where(live & (sf > 0), ops.f32(1.0, x32) / (sf * global_scale), zero)
+    out_scale = ops.where(live & (sf > 0), ops.scalar(1.0, x32) / (sf * global_scale), zero)
     codes = e2m1_codes(blocks * out_scale[..., None], ops).reshape(*lead, D)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), sf_bits
 
@@ -70,37 +69,8 @@ def affine_torch(x32, bits: int, group_size: int, dtype):
 def torch_store(x32, store, global_scale, dtype, ops):
     """The arrays a block-quantized torch pool (its ``stores.Store``) stores for float32 rows ``x32`` (NVFP4:
     data and block scales as uint8 bits; affine: words as int32 bits, scales and biases in ``dtype``). ``ops``:
-    ``torch_ops()``, made once by the caller outside traced code (torch.compile cannot trace making it)."""
+    ``TorchOps``."""
     if store.format == "nvfp4":
         return nvfp4(x32, global_scale.reshape(()), ops)
     return affine_torch(x32, store.bits, store.group, dtype)
 
-
-def torch_ops():
-    import torch
-
-    return SimpleNamespace(
-        abs=torch.abs, where=torch.where, signbit=torch.signbit,
-        amax_last=lambda x: x.amax(-1),
-        u8=lambda b: b.to(torch.uint8),
-        zeros_u8=lambda x: torch.zeros(x.shape, dtype=torch.uint8, device=x.device),
-        f32=lambda value, like: torch.tensor(value, dtype=torch.float32, device=like.device),
-        # CUDA's __nv_fp8_e4m3(float) saturates; torch's cast would give NaN past 448
-        to_e4m3=lambda x: x.clamp(max=448.0).to(torch.float8_e4m3fn).view(torch.uint8),
-        from_e4m3=lambda b: b.view(torch.float8_e4m3fn).to(torch.float32),
-    )
-
-
-def mlx_ops():
-    import mlx.core as mx
-
-    return SimpleNamespace(
-        abs=mx.abs, where=mx.where,
-        signbit=lambda x: (mx.view(x, mx.uint32) >> 31) == 1,
-        amax_last=lambda x: mx.max(x, axis=-1),
-        u8=lambda b: b.astype(mx.uint8),
-        zeros_u8=lambda x: mx.zeros(x.shape, dtype=mx.uint8),
-        f32=lambda value, like: mx.array(value, dtype=mx.float32),
-        to_e4m3=mx.to_fp8,  # rounds to nearest even, saturated at 448 (checked against ml_dtypes in the tests)
-        from_e4m3=lambda b: mx.from_fp8(b, dtype=mx.float32),
-    )

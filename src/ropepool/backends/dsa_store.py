@@ -3,12 +3,10 @@
 The float32 steps of vLLM's writers, in their order (``ropepool.reference.dsa`` is the float64
 oracle that rounds where they round): scales by IEEE float32 division, values ``x / s`` saturated
 and rounded to e4m3, nearest even. Each function takes the rows as the cache receives them and
-returns bytes (uint8); where they go in the cache is ``rows_at`` / ``indexer_at``.
+returns bytes (uint8); where they go in the cache is ``indexer_at`` and the views of ``put``. ``ops``
+is the framework's adapter (``torch_arrays.TorchOps``, ``mlx_arrays.MlxOps``).
 """
 from __future__ import annotations
-
-import functools
-from types import SimpleNamespace
 
 from ..checks import dsa
 from ..checks.layout import paged_view
@@ -20,22 +18,22 @@ def ds_mla_head(kv_c, ops):
     """The first 528 bytes of the fp8_ds_mla rows of ``kv_c [N, 512]``: its e4m3 values, then the 4 scales."""
     n = kv_c.shape[0]
     tiles = ops.f32(kv_c).reshape(n, dsa.DS_MLA_TILES, dsa.DS_MLA_TILE)
-    scale = ops.maximum(ops.amax_abs(tiles) / ops.const(dsa.E4M3_MAX, kv_c), ops.const(FLT_MIN, kv_c))
+    scale = ops.maximum(ops.absmax_last(tiles) / ops.scalar(dsa.E4M3_MAX, kv_c), ops.scalar(FLT_MIN, kv_c))
     values = ops.to_e4m3(tiles / scale[..., None]).reshape(n, dsa.DS_MLA_RANK)
-    return ops.cat([values, ops.bytes_of(scale)])
+    return ops.cat([values, ops.bytes_of(scale)], -1)
 
 
 def ds_mla_rows(kv_c, k_pe, ops):
     """``[N, 656]`` uint8 rows of ``kv_c [N, 512]`` and the rotated ``k_pe [N, 64]`` (both 16-bit)."""
-    return ops.cat([ds_mla_head(kv_c, ops), ops.bytes_of(k_pe.reshape(kv_c.shape[0], dsa.DS_MLA_PE))])
+    return ops.cat([ds_mla_head(kv_c, ops), ops.bytes_of(k_pe.reshape(kv_c.shape[0], dsa.DS_MLA_PE))], -1)
 
 
 def indexer_rows(k, ue8m0: bool, ops):
     """The indexer key ``k [N, D]`` as ``(e4m3 bytes [N, D], scale bytes [N, 4 * D // 128])``."""
     n, d = k.shape
     groups = ops.f32(k).reshape(n, d // dsa.INDEXER_GROUP, dsa.INDEXER_GROUP)
-    amax = ops.maximum(ops.amax_abs(groups), ops.const(dsa.INDEXER_SCALE_FLOOR, k))  # fmaxf(amax, 1e-4f)
-    scale = amax / ops.const(dsa.E4M3_MAX, k)
+    amax = ops.maximum(ops.absmax_last(groups), ops.scalar(dsa.INDEXER_SCALE_FLOOR, k))  # fmaxf(amax, 1e-4f)
+    scale = amax / ops.scalar(dsa.E4M3_MAX, k)
     if ue8m0:
         scale = ops.exp2(ops.ceil(ops.log2(scale)))
     return ops.to_e4m3(groups / scale[..., None]).reshape(n, d), ops.bytes_of(scale)
@@ -70,42 +68,9 @@ FORMATS = ("fp8_ds_mla", "indexer", "indexer_ue8m0", "none")  # the stores.FORMA
 
 def put(fmt, pool, geom, page, row, rows, ops):
     """Torch: the store ``fmt`` of ``rows [N, D]`` (the call's rows written) into ``pool``, in place. ``ops``:
-    ``torch_ops()``, made by the caller at import (torch.compile cannot trace making the namespace)."""
+    ``TorchOps``."""
     if fmt == "fp8_ds_mla":
         put_ds_mla_head(pool, geom, page, row, rows, ops)
     elif fmt != "none":
         put_indexer(pool, geom, page, row, *indexer_rows(rows, fmt == "indexer_ue8m0", ops), ops)
-
-
-@functools.cache
-def torch_ops():
-    import torch
-
-    def const(value, like):
-        return torch.tensor(value, dtype=torch.float32, device=like.device)
-
-    return SimpleNamespace(
-        f32=lambda x: x.float(), const=const, maximum=torch.maximum, exp2=torch.exp2, ceil=torch.ceil,
-        log2=torch.log2, amax_abs=lambda x: x.abs().amax(-1),
-        # __NV_SATFINITE: saturate first (torch's cast would give NaN past 448), then nearest even
-        to_e4m3=lambda x: x.clamp(-dsa.E4M3_MAX, dsa.E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8),
-        bytes_of=lambda x: x.contiguous().view(torch.uint8),  # little-endian, as the CUDA kernels store
-        cat=lambda xs: torch.cat(xs, dim=-1),
-        arange=lambda n, like: torch.arange(n, device=like.device),
-    )
-
-
-@functools.cache
-def mlx_ops():
-    import mlx.core as mx
-
-    return SimpleNamespace(
-        f32=lambda x: x.astype(mx.float32), const=lambda value, like: mx.array(value, dtype=mx.float32),
-        maximum=mx.maximum, exp2=lambda x: mx.power(mx.array(2.0, dtype=mx.float32), x), ceil=mx.ceil,
-        log2=mx.log2, amax_abs=lambda x: mx.max(mx.abs(x), axis=-1),
-        to_e4m3=mx.to_fp8,  # saturated at 448, nearest even
-        bytes_of=lambda x: mx.view(x, mx.uint8),
-        cat=lambda xs: mx.concatenate(xs, axis=-1),
-        arange=lambda n, like: mx.arange(n),
-    )
 

@@ -34,57 +34,11 @@ import numpy as np
 
 from ..checks.layout import page_and_row, row_ids
 from . import arraymath, blockquant, paths
+from .mlx_arrays import MlxOps, extras
 
 COMPILE_MAX_TOKENS = 64
 CHUNK_TOKENS = 256  # larger calls run in chunks on MLX's CPU backend ...
 CHUNK_FEATURES = 1 << 18  # ... of about this many q features each (1 MB of float32 temporaries)
-
-
-class MlxOps:
-    """What arraymath needs, spelled for MLX."""
-
-    cos, sin, rsqrt, where, clip = mx.cos, mx.sin, mx.rsqrt, mx.where, mx.clip
-
-    @staticmethod
-    def f32(x):
-        return x.astype(mx.float32)
-
-    @staticmethod
-    def cat(xs, axis):
-        return mx.concatenate(xs, axis=axis)
-
-    @staticmethod
-    def stack(xs, axis):
-        return mx.stack(xs, axis=axis)
-
-    @staticmethod
-    def take(x, idx, axis):
-        return mx.take(x, idx, axis=axis)
-
-    @staticmethod
-    def take_along(x, idx, axis):
-        return mx.take_along_axis(x, idx, axis=axis)
-
-    @staticmethod
-    def all_last(x):
-        return mx.all(x, axis=-1)
-
-    @staticmethod
-    def mean_last(x):
-        return mx.mean(x, axis=-1, keepdims=True)
-
-    @staticmethod
-    def numel(x):
-        return x.size
-
-    @staticmethod
-    def const(values, like):
-        return device_array(values)
-
-
-def device_array(values) -> mx.array:
-    """A NumPy array of a Rotation (frequencies, MRoPE rows) as an MLX array, made once."""
-    return arraymath.constant(values, mx.array)
 
 
 # --- the pool write ----------------------------------------------------------------------------
@@ -139,7 +93,7 @@ def _block(rows, store, scale):
     """The arrays a block-quantized pool stores for ``rows [T, H, D]`` (the row's dtype), each ``[T, H, ...]``."""
     T, H, D = rows.shape
     if store.format == "nvfp4":
-        return blockquant.nvfp4(rows.astype(mx.float32), scale, blockquant.mlx_ops())
+        return blockquant.nvfp4(rows.astype(mx.float32), scale, MlxOps)
     parts = mx.quantize(rows.reshape(T * H, D), group_size=store.group, bits=store.bits)
     return tuple(p.reshape(T, H, -1) for p in parts)  # mlx-lm's quantized cache stores exactly these
 
@@ -151,12 +105,6 @@ def _to_pool(rows, store, scale, pool):
 
 
 # --- the op ------------------------------------------------------------------------------------
-
-def extras(values):
-    """``values`` (a ``plan.Extras``) as MLX arrays: NumPy frequencies made once; floats and arrays as they
-    are (a float scale is a constant of the traced graph, keyed by ``plan.Plan.key``)."""
-    return tuple(device_array(x) if isinstance(x, np.ndarray) else x for x in values)
-
 
 def _graph(plan):
     """The op as a function of arrays only (the plan's extras come last, in ``plan.Extras``' order), so

@@ -1,4 +1,4 @@
-"""Torch's side of the array math: ``TorchOps`` for ``arraymath``, and a plan's extras as torch tensors.
+"""Torch's side of the array math: ``TorchOps``, and a plan's extras as torch tensors.
 
 Every torch backend (torch_eager, torch_cpu, the Triton launcher) reads the
 plan's extra arrays (``plan.Extras``) through ``extras`` here: frequencies
@@ -9,13 +9,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..checks.dsa import E4M3_MAX
 from . import arraymath
 
 
 class TorchOps:
-    """What arraymath needs, spelled for torch."""
+    """The one spelling, for torch, of every function the shared array math calls (``arraymath``, ``blockquant``,
+    ``dsa_store``; ``mlx_arrays.MlxOps`` is MLX's, with the same names and meanings).
 
-    cos, sin, rsqrt, where, clip, trunc = torch.cos, torch.sin, torch.rsqrt, torch.where, torch.clamp, torch.trunc
+    A class of static functions, passed as it is: nothing is made at import or per call, and torch.compile
+    traces through it as through any module-level function (it cannot trace making a namespace of lambdas).
+    """
+
+    abs, cos, sin, rsqrt, where, clip, trunc = torch.abs, torch.cos, torch.sin, torch.rsqrt, torch.where, \
+        torch.clamp, torch.trunc
+    maximum, exp2, ceil, log2, signbit = torch.maximum, torch.exp2, torch.ceil, torch.log2, torch.signbit
 
     @staticmethod
     def div(x, number):
@@ -60,7 +68,40 @@ class TorchOps:
 
     @staticmethod
     def const(values, like):
+        """A Rotation's NumPy array (frequencies, MRoPE rows) on ``like``'s device, made once."""
         return device_array(values, like.device)
+
+    @staticmethod
+    def scalar(value, like):
+        """A float as a float32 scalar on ``like``'s device (the float32 steps of the engines' quantizers)."""
+        return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+    @staticmethod
+    def arange(n, like):
+        return torch.arange(n, device=like.device)
+
+    @staticmethod
+    def u8(x):
+        return x.to(torch.uint8)
+
+    @staticmethod
+    def zeros_u8(like):
+        return torch.zeros(like.shape, dtype=torch.uint8, device=like.device)
+
+    @staticmethod
+    def to_e4m3(x):
+        """float32 ``x`` rounded to e4m3 (nearest even), as its bits (uint8). Saturated first, as CUDA's
+        ``__nv_fp8_e4m3`` (``__NV_SATFINITE``) and ``mx.to_fp8`` do: torch's cast gives NaN past 448."""
+        return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+    @staticmethod
+    def from_e4m3(bits):
+        return bits.view(torch.float8_e4m3fn).to(torch.float32)
+
+    @staticmethod
+    def bytes_of(x):
+        """``x``'s bytes along its last axis, little-endian, as the CUDA kernels store them."""
+        return x.contiguous().view(torch.uint8)
 
 
 def _to_device(values, device):

@@ -115,7 +115,7 @@ class Fast(OneToken, Normed):
         # A flat pool is [rows, heads, dim] already, slot = row: no view per call.
         self.flat = geom.kv_layout is None and geom.layer is None and geom.headed
         self.compiled = {}  # torch_cpu_compiled's functions for this layout
-        self.ops = TorchOps  # the QK norm's operations
+        self.ops = TorchOps  # arraymath's and dsa_store's operations (the QK norm, fp8 and DeepSeek V3.2's stores)
         self.gain_kept = (None, None)  # gain's key and value
         # fp8 pools (the row takes only "scaled" ones): their bound, and k's and v's scales as float32 tensors
         self.quantized, self.qmax = plan.stores.k_pool.quantized, plan.stores.k_pool.qmax
@@ -270,7 +270,7 @@ class Fast(OneToken, Normed):
             rows, slots = rows[keep], slots[keep]
         if self.dsa[scale] is not None:  # one latent head: [T, 1, dim]
             dsa_store.put(self.dsa[scale], pool, self.call.pool, *page_and_row(slots, self.call.pool.page_size),
-                          rows[:, 0], dsa_store.torch_ops())
+                          rows[:, 0], self.ops)
             return
         if self.quantized:
             scale = self.scales[scale]

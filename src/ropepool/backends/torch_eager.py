@@ -12,9 +12,6 @@ from ..checks.layout import page_and_row, paged_view, write_at
 from . import arraymath, blockquant, dsa_store
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
-# made here, at import: torch.compile cannot trace making these namespaces
-BLOCK_OPS, DSA_OPS = blockquant.torch_ops(), dsa_store.torch_ops()
-
 
 class Prepared:
     def __init__(self, plan):
@@ -46,15 +43,15 @@ class Prepared:
         if st.k_pool.bits:  # block-quantized: each pool a tuple of arrays, each written in place
             for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale),
                                              (v_pool, v3, st.v_pool, ex.v_scale)):
-                for part, stored in zip(pool, blockquant.torch_store(rows[write].float(), store, scale, rows.dtype,
-                                                                               BLOCK_OPS)):
+                stored_parts = blockquant.torch_store(rows[write].float(), store, scale, rows.dtype, ops)
+                for part, stored in zip(pool, stored_parts):
                     paged_view(part.view(stored.dtype), call.pool).index_put_((page, row), stored)
             return q_rot, k_rot, k_pool, v_pool
         for which, (pool, rows, store, scale) in enumerate(((k_pool, k_rows, st.k_pool, ex.k_scale),
                                                             (v_pool, v3, st.v_pool, ex.v_scale))):
             rows = rows[write]
             if store.format in dsa_store.FORMATS:  # DeepSeek V3.2's byte rows (backends/dsa_store.py)
-                dsa_store.put(store.format, pool, call.pool, page, row, rows[:, 0], DSA_OPS)
+                dsa_store.put(store.format, pool, call.pool, page, row, rows[:, 0], ops)
                 continue
             if store.format == "per_token_head":  # each row's scale, where the pool keeps the row
                 rows, s = arraymath.quantize_per_token_head(rows.float(), store.qmax, store.integer, ops)
