@@ -141,7 +141,8 @@ def test_amx_packing_is_no_strided_view():
 def test_register_on_cpu_installs_the_route():
     from ropepool.integrations.vllm import register
 
-    assert register() == ["CPU_ATTN", "AMX_MLA", "CPU_MLA", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm"]
+    assert register() == ["CPU_ATTN", "AMX_MLA", "CPU_MLA", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm",
+                          "MRotaryEmbedding"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,6 +10,9 @@ extension points (and one of torch's), registered by ``register()`` in every vLL
   ``DeferredRotaryEmbedding``. When every attention layer of the running model is served
   by ropepool (vLLM's forward context lists them) it rotates nothing and leaves the table,
   the positions and the key it was given for the attention layer that comes next.
+- ``CustomOp.register_oot(name="MRotaryEmbedding")``: the same for vLLM's multimodal rotary op (Qwen2-VL,
+  Qwen2.5-VL, Qwen3-VL: ``[3, T]`` positions), its table handed on as a ``CosSinCache`` with the op's
+  ``mrope_section`` and ``mrope_interleaved`` (``mrope_rope``).
 - ``register_backend(AttentionBackendEnum.CPU_ATTN, ...)``: vLLM's CPU attention backend
   becomes ``CPUBackend``, the same backend whose layers do their own cache write
   (``forward_includes_kv_cache_update``): one ``rope_and_cache`` call rotates q and k in
@@ -43,6 +46,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend, AMXMLAImpl
@@ -52,6 +56,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from ..api import rope_latent_fused
 from ..errors import RopePoolError
 from ..rotation.norm import QKNorm
+from ..rotation.spec import CosSinCache
 from .vllm import _table, rope_and_cache
 
 log = logging.getLogger(__name__)
@@ -157,8 +162,8 @@ def _take_norms(query, key):
     return q[1], k[1]
 
 
-class DeferredRotaryEmbedding(RotaryEmbedding):
-    """vLLM's ``RotaryEmbedding`` whose rotation the next ropepool attention layer does."""
+class _DeferredRope:
+    """A vLLM rotary op whose rotation the next ropepool attention layer does, with ``_ropepool_rope(query)``."""
 
     def forward(self, positions, query, key=None, *args, **kwargs):
         norms = _take_norms(query, key)
@@ -168,9 +173,42 @@ class DeferredRotaryEmbedding(RotaryEmbedding):
             return super().forward(positions, query, key, *args, **kwargs)
         if _pending:
             _never_applied("RoPE")
-        _pending.append((key.data_ptr(), positions, self._match_cos_sin_cache_dtype(query), self.is_neox_style,
-                         norms, query))
+        _pending.append((key.data_ptr(), positions, self._ropepool_rope(query), self.is_neox_style, norms, query))
         return query, key
+
+
+class DeferredRotaryEmbedding(_DeferredRope, RotaryEmbedding):
+    """vLLM's ``RotaryEmbedding``: ropepool rotates with vLLM's own cos/sin table."""
+
+    def _ropepool_rope(self, query):
+        return self._match_cos_sin_cache_dtype(query)
+
+
+class DeferredMRotaryEmbedding(_DeferredRope, MRotaryEmbedding):
+    """vLLM's ``MRotaryEmbedding`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: ``[3, T]`` positions, each frequency taking
+    the time, height or width row by ``mrope_section``, chunked or ``mrope_interleaved``): ropepool rotates with
+    vLLM's own table read through ``mrope_rope``."""
+
+    def _ropepool_rope(self, query):
+        return mrope_rope(self, self._match_cos_sin_cache_dtype(query))
+
+
+def mrope_rope(rope, table) -> CosSinCache:
+    """The ``CosSinCache`` of vLLM's ``MRotaryEmbedding`` ``rope`` over its table ``table``: vLLM's sections and
+    interleaving (mrope.py's forward_native: chunks ``split(mrope_section)``, or ``apply_interleaved_rope``'s
+    T H W T H W ...) are ropepool's ``mrope_section`` / ``mrope_interleaved``; one per table, kept on ``rope``."""
+    held = rope.__dict__.get("_ropepool_mrope")
+    if held is None or held.cos_sin_cache is not table:
+        section = tuple(rope.mrope_section) if rope.mrope_section else None  # None: 1-D positions only
+        held = CosSinCache(table, is_neox=rope.is_neox_style, mrope_section=section,
+                           mrope_interleaved=rope.mrope_interleaved and bool(section))
+        rope.__dict__["_ropepool_mrope"] = held
+    return held
+
+
+def _rope(table, is_neox):
+    """The ``rope=`` of a deferred rotation: a CosSinCache as it is, vLLM's table as its CosSinCache."""
+    return table if isinstance(table, CosSinCache) else _table(table, is_neox)
 
 
 def _count(name: str, route: str, q, k, norm: str) -> None:
@@ -219,7 +257,7 @@ class CPUImpl(CPUAttentionBackendImpl):
                     _, positions, table, is_neox, norms, _ = pending
                     qk_norm = _qk_norm(self, norms)
                     rope_and_cache(query, key, value, positions, table, is_neox, kv_cache, slots, layout="cpu",
-                                   qk_norm=qk_norm)
+                                   qk_norm=qk_norm, rope=_rope(table, is_neox))
                     _count(layer.layer_name, "ropepool", query[:n], key, vllm_norm if qk_norm is None else "ropepool")
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                output_block_scale)
@@ -283,7 +321,7 @@ def register() -> list[str]:
     """Install on vLLM's CPU platform (once per process); the names of what was installed."""
     if not getattr(register, "done", False):
         for ours, theirs in ((DeferredRotaryEmbedding, RotaryEmbedding), (DeferredRMSNorm, RMSNorm),
-                             (DeferredGemmaRMSNorm, GemmaRMSNorm)):
+                             (DeferredGemmaRMSNorm, GemmaRMSNorm), (DeferredMRotaryEmbedding, MRotaryEmbedding)):
             CustomOp.register_oot(ours, name=theirs.__name__)
             ours.name = theirs.name  # register_oot renames it; keep vLLM's custom_ops switch
         torch.nn.modules.module.register_module_module_registration_hook(_tag)
@@ -291,4 +329,5 @@ def register() -> list[str]:
                            (AttentionBackendEnum.CPU_MLA, CPUMLA)):
             register_backend(enum, f"{__name__}.{ours.__name__}")
         register.done = True
-    return ["CPU_ATTN", "AMX_MLA", "CPU_MLA", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm"]
+    return ["CPU_ATTN", "AMX_MLA", "CPU_MLA", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm",
+            "MRotaryEmbedding"]
