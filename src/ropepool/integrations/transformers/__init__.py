@@ -74,7 +74,7 @@ def enable(model, *, backend: str | None = None):
             f"ropepool hosts transformers' continuous batching with sdpa or eager attention; this model is set to "
             f"{implementation!r}. Fix: load it with attn_implementation='sdpa' (or call "
             "model.set_attn_implementation('sdpa')) before enable(model).")
-    _ENABLED[model] = (layers, attention.attach(layers))
+    _ENABLED[model] = (layers, attention.attach(model, layers))
     return model
 
 

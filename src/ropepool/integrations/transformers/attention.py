@@ -3,13 +3,16 @@
 Per attention layer and step, when the call comes from continuous batching
 (a ``PagedAttentionCache`` in the layer's kwargs):
 
-1. a forward pre-hook on the attention module hands transformers an identity
-   rotation (``position_embeddings`` = cos 1, sin 0; the family's
+1. the attention module's forward (an instance ``forward`` that wraps its
+   own: no hook dispatch) hands transformers an identity rotation
+   (``position_embeddings`` = cos 1, sin 0; the family's
    ``apply_rotary_pos_emb``, wrapped once, returns q and k as they are for
    it, without computing) and takes the cache out of the kwargs (so its
    ``cache.update`` writes nothing), passing it on as ``ropepool_cache``; the
    layer's own ``q_norm``/``k_norm`` return their input while the layer runs
-   (an instance ``forward``), since ropepool fuses the norm;
+   (instance ``forward``s too), since ropepool fuses the norm; and once per
+   step the model's rotary embeddings return that identity instead of
+   computing cos/sin that no fused layer reads;
 2. the attention function transformers dispatches to, registered with
    ``AttentionInterface`` as a wrapper of its own, finds ``ropepool_cache``
    and makes ONE ``rope_pool_fused`` call: norm, RoPE on q and k, and the k/v
@@ -18,7 +21,7 @@ Per attention layer and step, when the call comes from continuous batching
    a cache whose ``update`` returns those rows (nothing is written twice).
 
 MLA layers (DeepSeek V3) differ in step 2: the module writes its latent cache
-itself, through the ``cache`` the pre-hook hands it, which is latent.py's
+itself, through the ``cache`` step 1 hands it, which is latent.py's
 ``rope_latent_fused`` step; the wrapper only puts the rotated q_pe in the query.
 
 Any other call (``generate``, a plain forward, a model never enabled) passes
@@ -27,7 +30,10 @@ through every hook and wrapper untouched.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
+
+import torch
 
 from ... import plan
 from ...api import rope_pool_fused
@@ -40,8 +46,7 @@ from . import latent, paged
 HOSTED = ("sdpa", "paged|sdpa", "paged|eager")
 
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> model.Layer
-_FUSING: weakref.WeakSet = weakref.WeakSet()  # attention modules inside a fused step (their norms pass through)
-_IDENTITY: dict = {}  # (dtype, device) -> (cos, sin) of the identity rotation
+_IDENTITY: dict = {}  # (dtype, device, width) -> (cos, sin) of the identity rotation
 _IDENTITY_SIN: set = set()  # their sin tensors' ids (they live as long as _IDENTITY)
 
 
@@ -58,10 +63,9 @@ def install_attention_functions() -> None:
 
 def hosted(implementation: str) -> bool:
     """Whether the layers of a model set to ``implementation`` run through a wrapper of this module."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    name = implementation if implementation in ALL_ATTENTION_FUNCTIONS else implementation.removeprefix("paged|")
-    return hasattr(ALL_ATTENTION_FUNCTIONS.get(name), "__ropepool_wraps__")
+    functions = sys.modules["transformers.modeling_utils"].ALL_ATTENTION_FUNCTIONS  # (an import here: ~2 us)
+    name = implementation if implementation in functions else implementation.removeprefix("paged|")
+    return hasattr(functions.get(name), "__ropepool_wraps__")
 
 
 def _wrap(original):
@@ -89,14 +93,14 @@ def fused_step(layer, cache, query, key, value, kwargs):
     (unrotated, unnormalised); returns q rotated in that layout and (K, V) of every row read as
     ``[rows, heads, head_dim]``. The step's positions and slots are worked out once per step, for all layers.
     """
-    q, k, v = (x.select(0, 0).transpose(0, 1) for x in (query, key, value))  # [T, heads, D] views
+    q, k, v = _tokens_first(query), _tokens_first(key), _tokens_first(value)
     kv = paged.layer_kv(cache, layer.index, kwargs)
     old = kv.read_before_write()
     q_rot, k_rot = run_layer(layer, q, k, v, kv)
     return _heads_first(q_rot), kv.read(old, k_rot, v)
 
 
-_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Layer -> (layout, its bound runner)
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Layer -> (layout, k_pool, v_pool, runner)
 
 
 def run_layer(layer, q, k, v, kv) -> tuple:
@@ -104,17 +108,17 @@ def run_layer(layer, q, k, v, kv) -> tuple:
 
     The first call of a layer's layout goes through ``rope_pool_fused`` (checked in full, bound, remembered);
     later calls of the same layout call its bound runner directly, skipping the api's keyword handling and
-    the layout cache's lookup (~13 us a call on CPU, measured, against a step of ~35): ``layout`` holds what
-    that lookup's guard compares (dtypes, sizes but the token count, strides of every array), and the slot and
+    the layout cache's lookup (~13 us a call on CPU, measured, against a step of ~35): ``layout`` and the
+    step's ``kv.layout`` hold what that lookup's guard compares (dtypes, sizes but the token count, strides of
+    every array; the pools are the very views bound, paged.py keeps one per layer and cache), and the slot and
     position values are checked as the lookup checks them, once per step (values.STEP)."""
     pos, slots, k_pool, v_pool = kv.positions, kv.slots, kv.k_pool, kv.v_pool
-    layout = (q.dtype, q.shape[1:], q.stride(), k.shape[1:], k.stride(), v.shape[1:], v.stride(), pos.dtype,
-              pos.stride(), slots.dtype, slots.stride(), k_pool.dtype, k_pool.shape, k_pool.stride(),
-              v_pool.shape, v_pool.stride())
+    layout = (q.dtype, q.shape[1:], q.stride(), k.dtype, k.shape[1:], k.stride(), v.dtype, v.shape[1:], v.stride(),
+              kv.layout)
     bound = _BOUND.get(layer)
-    if bound is not None and bound[0] == layout:
+    if bound is not None and bound[0] == layout and bound[1] is k_pool and bound[2] is v_pool:
         check_values(pos, slots, k_pool.shape[0])
-        return bound[1](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
+        return bound[3](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
     keywords = dict(head_dim=q.shape[-1], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=layer.rope,
                     qk_norm=layer.norm, backend=layer.backend)
     q_rot, k_rot, _, _ = rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, **keywords)
@@ -124,13 +128,24 @@ def run_layer(layer, q, k, v, kv) -> tuple:
                             None, None, q, k)
     runner = plan.lookup(scalars, (q, k, v, pos, slots, k_pool, v_pool, None, None))
     if runner is not None and k_pool.dtype == q.dtype and k_pool.data_ptr() != v_pool.data_ptr():
-        _BOUND[layer] = (layout, runner)
+        _BOUND[layer] = (layout, k_pool, v_pool, runner)
     return q_rot, k_rot
 
 
+def _tokens_first(x):
+    """``[1, heads, T, D]`` as ``[T, heads, D]``: a view, one ``as_strided`` (select and transpose: two calls, ~2 us
+    more on the shared 2-core VM)."""
+    _, H, T, D = x.shape
+    s = x.stride()
+    return x.as_strided((T, H, D), (s[2], s[1], s[3]), x.storage_offset())
+
+
 def _heads_first(x):
-    """``[T, heads, D]`` as ``[1, heads, T, D]`` (a view)."""
-    return x.transpose(0, 1).unsqueeze(0)
+    """``[T, heads, D]`` as ``[1, heads, T, D]``: a view, one ``as_strided`` (the strides transpose and unsqueeze
+    give)."""
+    T, H, D = x.shape
+    s = x.stride()
+    return x.as_strided((1, H, T, D), (H * s[1], s[1], s[0], s[2]), x.storage_offset())
 
 
 class _Written:
@@ -144,19 +159,28 @@ class _Written:
         return self.key, self.value
 
 
-def attach(layers: dict) -> list:
-    """Hook every attention module of ``layers`` (``{module: Layer}``); returns the hook handles."""
+def attach(model, layers: dict) -> list:
+    """Give ``model``'s rotary embeddings and every attention module of ``layers`` (``{module: Layer}``) their
+    fused-step forwards; returns the handles (each has ``remove()``)."""
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    _PAGED[:] = [PagedAttentionCache]
     handles = []
     for module, layer in layers.items():
         _LAYERS[module] = layer
-        handles.append(module.register_forward_pre_hook(_enter, with_kwargs=True))
-        handles.append(module.register_forward_hook(_leave, always_call=True))
+        handles.append(_Forward(module, _fused_forward, module))
         if isinstance(layer, latent.LatentLayer):
             handles += latent.attach(module)
             continue
         _skip_identity_rotation(type(module))
         if layer.norm is not None:
-            handles += [_NormPassthrough(norm, module) for norm in (module.q_norm, module.k_norm)]
+            handles += [_Forward(norm, _passthrough, module) for norm in (module.q_norm, module.k_norm)]
+    # transformers computes cos/sin once per step for all layers (``rotary_emb``), which no fused layer uses:
+    # inside a step its rotary modules return the identity rotation; the module that calls them (the decoder
+    # stack) marks the step.
+    for parent in {m for m in model.modules() if any(map(_rotary, m.children()))}:
+        handles.append(_Forward(parent, _stepping))
+        handles += [_Forward(c, _identity_rotary) for c in parent.children() if _rotary(c)]
     return handles
 
 
@@ -165,14 +189,62 @@ def detach(layers: dict, handles: list) -> None:
         h.remove()
     for module in layers:
         _LAYERS.pop(module, None)
-        _leave(module, None, None)
+        latent.leave(module)
 
 
-def _enter(module, args, kwargs):
-    from transformers.generation.continuous_batching import PagedAttentionCache
+_PAGED: list = []  # transformers' PagedAttentionCache class (imported once by attach, read on every call)
+# What the thread running a forward is inside of: ``fusing``, the attention module in a fused step (its
+# norms pass through); ``step``, a continuous-batching step (the rotary modules return the identity).
+# Per thread: a plain forward of the same model on another thread computes as shipped.
+_STATE = threading.local()
 
-    if not isinstance(kwargs.get("cache"), PagedAttentionCache):
-        return None
+
+def _paged(kwargs) -> bool:
+    """Whether a forward's keywords carry transformers' continuous-batching cache."""
+    cache = kwargs.get("cache")
+    return cache is not None and isinstance(cache, _PAGED[0])
+
+
+class _Forward:
+    """An instance ``forward`` on ``module``, ``make(own, *extra)``, built from the module's own forward.
+    Unlike hooks it keeps torch's fast module call (with any hook, every call of the module goes through
+    hook dispatch), and what it skips does not run at all. ``remove()`` puts the module's own back."""
+
+    def __init__(self, module, make, *extra):
+        self.module, self.had = module, module.__dict__.get("forward")
+        module.forward = self.forward = make(module.forward, *extra)
+
+    def remove(self):
+        if self.module.__dict__.get("forward") is self.forward:
+            if self.had is None:
+                del self.module.forward
+            else:
+                self.module.forward = self.had
+
+
+def _fused_forward(own, module):
+    """An attention module's forward: a continuous-batching call runs as a fused step (``_enter``)."""
+    ref = weakref.ref(module)
+
+    def forward(*args, **kwargs):
+        if not _paged(kwargs):
+            return own(*args, **kwargs)
+        module = ref()
+        kwargs = _enter(module, kwargs)
+        outer = getattr(_STATE, "fusing", None)
+        _STATE.fusing = module
+        try:
+            return own(*args, **kwargs)
+        finally:
+            _STATE.fusing = outer
+            latent.leave(module)
+
+    return forward
+
+
+def _enter(module, kwargs) -> dict:
+    """A fused step's keywords for an attention module's forward: the identity rotation, and the cache moved
+    to ``ropepool_cache`` (its ``cache.update`` writes nothing; MLA: a ``LatentStep`` in its place, latent.py)."""
     implementation = module.config._attn_implementation
     if not hosted(implementation):
         raise RopePoolError(
@@ -185,46 +257,71 @@ def _enter(module, args, kwargs):
             f"cannot host layer {module.layer_idx} ({type(module).__name__}): its decoder layer did not pass "
             "position_embeddings and position_ids by keyword. Fix: disable ropepool for this model; this "
             "transformers version calls attention differently from the ones tests/test_integration.py covers.")
-    cos = kwargs["position_embeddings"][0]
-    key = (cos.dtype, cos.device, cos.shape[-1])
-    if key not in _IDENTITY:  # as wide as cos: DeepSeek's interleaved rotation slices it in halves
-        _IDENTITY[key] = (cos.new_ones((1, 1, cos.shape[-1])), cos.new_zeros((1, 1, cos.shape[-1])))
-        _IDENTITY_SIN.add(id(_IDENTITY[key][1]))
-    kwargs["position_embeddings"] = _IDENTITY[key]
+    cos, sin = kwargs["position_embeddings"]
+    if id(sin) not in _IDENTITY_SIN:  # (the rotary modules hand it already where _identity_rotary runs)
+        # as wide as cos: DeepSeek's interleaved rotation slices it in halves
+        kwargs["position_embeddings"] = identity(cos.dtype, cos.device, cos.shape[-1])
     layer = _LAYERS[module]
     if isinstance(layer, latent.LatentLayer):  # the module writes through cache.update: ropepool's call (latent.py)
         kwargs["cache"] = kwargs["ropepool_latent"] = latent.enter(module, layer, kwargs["cache"])
     else:
         kwargs["ropepool_cache"] = kwargs.pop("cache")
-        _FUSING.add(module)
-    return args, kwargs
+    return kwargs
 
 
-def _leave(module, args, output):
-    _FUSING.discard(module)
-    latent.leave(module)
+def _passthrough(own, attention_module):
+    """A q/k norm's forward: its input, while its attention module is in a fused step (ropepool normalises)."""
+    ref = weakref.ref(attention_module)
+
+    def forward(x, *args, **kwargs):
+        return x if getattr(_STATE, "fusing", None) is ref() else own(x, *args, **kwargs)
+
+    return forward
 
 
-class _NormPassthrough:
-    """The norm module's forward returns its input while its attention module is in a fused step (ropepool
-    normalises): an instance ``forward``, so that the norm's own arithmetic does not run at all (a forward
-    hook would replace its output after computing it). ``remove()`` puts the module's own forward back."""
+def _stepping(own):
+    """The forward of the module that calls the rotary embeddings: marks a continuous-batching step."""
+    def forward(*args, **kwargs):
+        if not _paged(kwargs):
+            return own(*args, **kwargs)
+        outer = getattr(_STATE, "step", False)
+        _STATE.step = True
+        try:
+            return own(*args, **kwargs)
+        finally:
+            _STATE.step = outer
 
-    def __init__(self, norm, attention_module):
-        ref, own = weakref.ref(attention_module), norm.forward
+    return forward
 
-        def forward(x, *args, **kwargs):
-            return x if ref() in _FUSING else own(x, *args, **kwargs)
 
-        self.norm, self.had = norm, norm.__dict__.get("forward")
-        norm.forward = self.forward = forward
+def _rotary(module) -> bool:
+    return type(module).__name__.endswith("RotaryEmbedding")
 
-    def remove(self):
-        if self.norm.__dict__.get("forward") is self.forward:
-            if self.had is None:
-                del self.norm.forward
-            else:
-                self.norm.forward = self.had
+
+def _identity_rotary(own):
+    """A rotary embedding's forward: in a step, the identity rotation, as wide as its cos/sin (learnt from one
+    computed call per set of arguments, e.g. Gemma 3's layer types), in x's dtype, without computing."""
+    widths = {}
+
+    def forward(x, position_ids, *args, **kwargs):
+        if not getattr(_STATE, "step", False):
+            return own(x, position_ids, *args, **kwargs)
+        key = (args, tuple(kwargs.items()))
+        if key not in widths:
+            widths[key] = own(x, position_ids, *args, **kwargs)[0].shape[-1]
+        return identity(x.dtype, x.device, widths[key])
+
+    return forward
+
+
+def identity(dtype, device, width: int) -> tuple:
+    """cos 1, sin 0, ``[1, 1, width]``: made once per dtype, device and width."""
+    key = (dtype, device, width)
+    if key not in _IDENTITY:
+        cos = torch.ones((1, 1, width), dtype=dtype, device=device)
+        _IDENTITY[key] = (cos, torch.zeros_like(cos))
+        _IDENTITY_SIN.add(id(_IDENTITY[key][1]))
+    return _IDENTITY[key]
 
 
 def _skip_identity_rotation(module_class) -> None:

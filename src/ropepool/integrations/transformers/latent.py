@@ -6,7 +6,7 @@ writes it through ``cache.update(kv_nope, k_rot, layer_idx, kwargs=...)``
 before it expands the latents it gets back to heads with its own
 ``kv_b_proj``. Per MLA layer and continuous-batching step:
 
-1. attention.py's pre-hook hands the module an identity rotation and, in
+1. attention.py's forward of the module hands it an identity rotation and, in
    place of its ``cache``, a ``LatentStep`` (also passed on to attention);
 2. forward hooks on the q projection and on ``kv_a_proj_with_mqa`` keep their
    outputs: q_pe and k_pe are views of them;

@@ -30,31 +30,31 @@ from ...checks.values import STEP
 from ...errors import RopePoolError
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class LayerKV:
-    """One layer of the cache for one step."""
+    """One layer of the cache for one step (made per layer and step: plain slots, the cheapest to build)."""
 
     k_pool: torch.Tensor  # [rows, num_kv_heads, head_dim]
     v_pool: torch.Tensor
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] rows to write; transformers' write trash is turned into -1 (skip)
     read_index: torch.Tensor  # rows attention reads ([] when the step reads nothing from the cache)
-    sentinel: int | None  # sliding layers: read_index entries that stand for this step's tokens
+    new: torch.Tensor | None  # sliding layers that read: where read_index stands for this step's tokens
+    layout: tuple  # positions' and slots' dtypes and strides (the same for every layer of the step)
 
     def read_before_write(self):
         """Sliding layers read the old rows first; a full-attention layer reads after the write."""
-        if self.sentinel is None or not self.read_index.numel():
+        if self.new is None:
             return None
         return self.k_pool.index_select(0, self.read_index), self.v_pool.index_select(0, self.read_index)
 
     def read(self, old, k_rot: torch.Tensor, v: torch.Tensor):
         """K and V of every row attention sees, ``[rows_read, num_kv_heads, head_dim]``."""
-        if not self.read_index.numel():
-            return k_rot, v
         if old is None:
+            if not self.read_index.numel():
+                return k_rot, v
             return self.k_pool.index_select(0, self.read_index), self.v_pool.index_select(0, self.read_index)
-        new = (self.read_index == self.sentinel)[:, None, None]
-        return old[0].masked_scatter_(new, k_rot), old[1].masked_scatter_(new, v)
+        return old[0].masked_scatter_(self.new, k_rot), old[1].masked_scatter_(self.new, v)
 
 
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer: (k_pool, v_pool)}
@@ -84,15 +84,24 @@ def layer_kv(cache, layer: int, kwargs: dict) -> LayerKV:
     if _STEP[0] is not writes or _STEP[1] is not writes[0]:
         _STEP[:] = [writes, writes[0], kwargs["position_ids"].select(0, 0), {}]
         STEP.begin(_STEP[2])
-    slots = _STEP[3].get(group)
-    if slots is None:
-        write = writes[group]
-        slots = _STEP[3][group] = write.masked_fill(write == trash, -1)
-        STEP.begin(*STEP.arrays, slots)  # the step's arrays: values checked, cos/sin made once (values.Step)
-    return LayerKV(k_pool, v_pool, _STEP[2], slots, kwargs["read_index"][group], sentinel if sliding else None)
+    step = _STEP[3].get((group, sliding))
+    if step is None:
+        step = _STEP[3][(group, sliding)] = _group_step(writes[group], trash, kwargs["read_index"][group],
+                                                        sentinel if sliding else None)
+    return LayerKV(k_pool, v_pool, _STEP[2], *step)
 
 
-_STEP: list = [None, None, None, {}]  # the step's write_index list, its first view, positions [T], {group: slots}
+def _group_step(write, trash, read_index, sentinel) -> tuple:
+    """What every layer of a group shares in a step: its slots, the rows read, the sliding layers' mask of
+    this step's rows among them, and the layout of positions and slots."""
+    slots = write.masked_fill(write == trash, -1)
+    STEP.begin(*STEP.arrays, slots)  # the step's arrays: values checked, cos/sin made once (values.Step)
+    new = None if sentinel is None or not read_index.numel() else (read_index == sentinel).view(-1, 1, 1)
+    pos = _STEP[2]
+    return slots, read_index, new, (pos.dtype, pos.stride(), slots.dtype, slots.stride())
+
+
+_STEP: list = [None, None, None, {}]  # the step's write_index list, its first view, positions [T], {group: ...}
 
 
 def _pools(cache, layer: int):
