@@ -53,6 +53,18 @@ _TABLE_BYTES = 256 << 20
 _table_bytes = [0]
 
 
+def _parts(both, Hq: int) -> tuple:
+    """A contiguous ``[T, Hq + Hkv, D]`` tensor's q and k heads, as views (as_strided: one call each, where
+    indexing with slices costs about twice as much in a serving step)."""
+    (T, H, D), at = both.shape, both.storage_offset()
+    return both.as_strided((T, Hq, D), (H * D, D, 1), at), both.as_strided((T, H - Hq, D), (H * D, D, 1), at + Hq * D)
+
+
+def _kept(slots):
+    index = (slots >= 0).nonzero().view(-1)
+    return index, slots.index_select(0, index).long()
+
+
 def strided(plan, arrays) -> bool:
     """Whether a pool's head dim is strided (vLLM's CPU key cache, seen transposed) or the pools are tiled
     (vLLM's AMX cache): ``write`` stores through the view; one_token's lane and the compiled step's pool
@@ -122,6 +134,7 @@ class Fast(OneToken, Normed):
         # DeepSeek V3.2's stores of k and v (backends/dsa_store.py), or None: written by dsa_store.put
         self.dsa = tuple(s.format if s.format in dsa_store.FORMATS else None for s in plan.stores[:2])
         self.scales = (ex.k_scale, ex.v_scale) if self.quantized else (None, None)
+        self.plain_rows = not self.quantized and self.dsa == (None, None)  # write's rows go in as they are
         # The one-token lanes: pools of one layer with a head dim, of q's dtype or fp8, no norm, cos/sin of a
         # table of ours; compiled_one_token's any such layout, one_token's (torch ops) flat pools only.
         self.pool_size = call.pool_size
@@ -239,7 +252,7 @@ class Fast(OneToken, Normed):
         Each product is rounded, then the sum, as in torch_eager and vLLM's kernel (bit for bit
         their results; addcmul_ would fuse a product into the sum)."""
         p = self.pair_dim
-        xf = x.float()  # bf16 / fp16: upcast once; float32: x itself
+        xf = x if x.dtype == torch.float32 else x.float()  # bf16 / fp16: upcast once
         # swap(x) * (-sin, sin), a new tensor: read before out (maybe x itself) is written. flip is
         # one call, but at over ~16K elements two half-size products into the swapped halves are faster.
         if xf.numel() <= _FLIP_ELEMENTS:
@@ -262,12 +275,29 @@ class Fast(OneToken, Normed):
         view = paged_view(pool, self.call.pool)
         return view.flatten(0, 1) if view.stride(0) == view.shape[1] * view.stride(1) else None
 
+    @staticmethod
+    def kept(slots):
+        """The tokens whose slot is not negative and their slots (int64): once per step for a step's slots
+        (values.STEP; each layer's call would otherwise mask both pools' rows and slots again)."""
+        if not STEP.holds(slots):
+            return _kept(slots)
+        key = ("kept", id(slots))
+        hit = STEP.memo.get(key)
+        if hit is None:
+            hit = STEP.memo[key] = _kept(slots)
+        return hit
+
     def write(self, pool, rows, slots, keep, scale=None):  # scale: 0 the k pool, 1 the v pool
-        """``rows [T, H, dim]`` into the pool at ``slots`` (int64); ``keep``: the tokens written (None: all).
+        """``rows [T, H, dim]`` into the pool at ``slots`` (int64); ``keep``: the indices of the tokens written,
+        ``slots`` theirs (None: all).
         An fp8 pool stores ``rows / scale`` saturated, as torch_eager quantizes (arraymath.quantize), its
         bytes copied (index_copy_ has no fp8 kernels)."""
         if keep is not None:
-            rows, slots = rows[keep], slots[keep]
+            rows = rows.index_select(0, keep)
+        if self.flat and self.plain_rows and rows.dtype == pool.dtype:  # the common case first
+            pool.index_copy_(0, slots, rows)
+            paths.took("torch_cpu.write")
+            return
         if self.dsa[scale] is not None:  # one latent head: [T, 1, dim]
             dsa_store.put(self.dsa[scale], pool, self.call.pool, *page_and_row(slots, self.call.pool.page_size),
                           rows[:, 0], self.ops)
@@ -315,7 +345,7 @@ class Fast(OneToken, Normed):
         if self.call.norm is not None:  # QK norm: q and k as one new tensor, normalised and rotated in place
             k3, Hq = (k if k.ndim == 3 else k[:, None]), q.shape[1]
             both = self.normed(torch.cat((q, k3), 1), Hq, positions)
-            q_rot, k_rot = both[:, :Hq], both[:, Hq:]
+            q_rot, k_rot = _parts(both, Hq)
             if q_out is not None:
                 q_rot = q_out.copy_(q_rot)
             if k_out is not None:
@@ -337,7 +367,7 @@ class Fast(OneToken, Normed):
             T, H, D = both.shape
             x = both.view(T, H, *self.pairs)
             self._block(x, *self.cos_sin(positions)[:2], x)
-            q_rot, k_rot = both[:, :q.shape[1]].contiguous(), both[:, q.shape[1]:].contiguous()
+            q_rot, k_rot = (part.contiguous() for part in _parts(both, q.shape[1]))
             paths.took("torch_cpu.few")
         else:
             k3 = k if k.ndim == 3 else k[:, None]
@@ -350,8 +380,8 @@ class Fast(OneToken, Normed):
                     not self.quantized and not self.strided and self.dsa == (None, None)
                 written = self.compiled_step(qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole)
         if not written:
-            slots = slots.long()  # index_copy_'s index type
-            keep = None if lo >= 0 else slots >= 0  # a negative slot skips the token's write
+            # index_copy_'s index type; a negative slot skips the token's write
+            keep, slots = (None, slots.long()) if lo >= 0 else self.kept(slots)
             self.write(k_pool, k_rot, slots, keep, 0)
             self.write(v_pool, v3, slots, keep, 1)
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool

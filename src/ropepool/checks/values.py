@@ -54,7 +54,13 @@ class Step:
 
     def holds(self, *arrays) -> bool:
         mine = self.arrays
-        return bool(mine) and all(any(x is y for y in mine) for x in arrays)
+        for x in arrays:  # (loops, not all/any of generators: this runs in every layer's call)
+            for y in mine:
+                if x is y:
+                    break
+            else:
+                return False
+        return bool(mine)
 
 
 STEP = Step()

@@ -168,7 +168,7 @@ def attach(model, layers: dict) -> list:
     handles = []
     for module, layer in layers.items():
         _LAYERS[module] = layer
-        handles.append(_Forward(module, _fused_forward, module))
+        handles.append(_Forward(module, _fused_forward, module, isinstance(layer, latent.LatentLayer)))
         if isinstance(layer, latent.LatentLayer):
             handles += latent.attach(module)
             continue
@@ -222,7 +222,7 @@ class _Forward:
                 self.module.forward = self.had
 
 
-def _fused_forward(own, module):
+def _fused_forward(own, module, mla: bool):
     """An attention module's forward: a continuous-batching call runs as a fused step (``_enter``)."""
     ref = weakref.ref(module)
 
@@ -237,7 +237,8 @@ def _fused_forward(own, module):
             return own(*args, **kwargs)
         finally:
             _STATE.fusing = outer
-            latent.leave(module)
+            if mla:
+                latent.leave(module)
 
     return forward
 

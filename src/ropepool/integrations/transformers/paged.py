@@ -57,27 +57,18 @@ class LayerKV:
         return old[0].masked_scatter_(self.new, k_rot), old[1].masked_scatter_(self.new, v)
 
 
-_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer: (k_pool, v_pool)}
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer: _layer_of(cache, layer)}
 
 
 def layer_kv(cache, layer: int, kwargs: dict) -> LayerKV:
     """The K/V pools, slots and read rows of ``layer`` in this step (``kwargs``: the attention kwargs)."""
-    if hasattr(cache, "layer_to_allocator"):
-        alloc = cache.layer_to_allocator[layer]
-        group, sliding, trash = alloc.index, alloc.layer_type == "sliding_attention", alloc.write_trash_index
-        sentinel = alloc.sentinel_index
-    elif hasattr(cache, "layer_index_to_group_indices"):
-        group = cache.layer_index_to_group_indices[layer][0]
-        sliding, trash, sentinel = cache.sliding_windows[layer] != 1, cache.write_trash_index, cache.sentinel_index
-    else:
-        raise RopePoolError(
-            f"cannot read this PagedAttentionCache ({type(cache).__module__}): it has neither the per-layer "
-            "tensors of transformers 5.17 nor the allocators of later 5.x. Fix: use transformers 5.17 to 5.25 "
-            "(the versions tests/test_integration.py covers), or disable ropepool for this model.")
-    views = _VIEWS.setdefault(cache, {})
-    if layer not in views:
-        views[layer] = _pools(cache, layer)
-    k_pool, v_pool = views[layer]
+    views = _VIEWS.get(cache)
+    if views is None:
+        views = _VIEWS[cache] = {}
+    found = views.get(layer)
+    if found is None:
+        found = views[layer] = _layer_of(cache, layer)
+    k_pool, v_pool, group, sliding, trash, sentinel = found
     # Once per step, for all its layers: transformers builds a new write_index list of new views each step,
     # and _STEP keeps the last list and view alive, so no later step's can have their identities.
     writes = kwargs["write_index"]
@@ -102,6 +93,24 @@ def _group_step(write, trash, read_index, sentinel) -> tuple:
 
 
 _STEP: list = [None, None, None, {}]  # the step's write_index list, its first view, positions [T], {group: ...}
+
+
+def _layer_of(cache, layer: int) -> tuple:
+    """What a layer's steps read of the cache, looked up once per layer and cache: its K and V pools, its
+    group, whether it slides, the group's write trash row and read sentinel."""
+    if hasattr(cache, "layer_to_allocator"):
+        alloc = cache.layer_to_allocator[layer]
+        group, sliding, trash = alloc.index, alloc.layer_type == "sliding_attention", alloc.write_trash_index
+        sentinel = alloc.sentinel_index
+    elif hasattr(cache, "layer_index_to_group_indices"):
+        group = cache.layer_index_to_group_indices[layer][0]
+        sliding, trash, sentinel = cache.sliding_windows[layer] != 1, cache.write_trash_index, cache.sentinel_index
+    else:
+        raise RopePoolError(
+            f"cannot read this PagedAttentionCache ({type(cache).__module__}): it has neither the per-layer "
+            "tensors of transformers 5.17 nor the allocators of later 5.x. Fix: use transformers 5.17 to 5.25 "
+            "(the versions tests/test_integration.py covers), or disable ropepool for this model.")
+    return (*_pools(cache, layer), group, sliding, trash, sentinel)
 
 
 def _pools(cache, layer: int):
