@@ -432,3 +432,22 @@ def test_a_steps_arrays_are_checked_and_rotated_once(spy, rng):
         assert len(computed) == 2
     finally:
         STEP.begin()
+
+
+def test_a_steps_skipped_slots_per_array(rng):
+    """Two groups of layers in one step (values.STEP holds both slot arrays, each with skipped tokens): each
+    call writes its own array's rows, with the oracle's results (the skipped tokens are found once per array
+    and step, never taken from the other array's)."""
+    from ropepool.checks.values import STEP
+
+    T, Hq, Hkv, D, P = 5, 2, 1, 64, 32
+    positions = torch.from_numpy(make_positions(rng, T))
+    groups = [torch.from_numpy(make_slots(rng, T, P)) for _ in range(2)]
+    assert all((s < 0).any() for s in groups) and not torch.equal(*groups)
+    try:
+        STEP.begin(positions, *groups)
+        for slots in (*groups, groups[0]):
+            q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "float32")
+            run_checked(X, q, k, v, positions, slots, poison(make_cache(rng, "float32", P, Hkv, D), slots.numpy()))
+    finally:
+        STEP.begin()

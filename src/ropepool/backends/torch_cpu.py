@@ -61,8 +61,16 @@ def _parts(both, Hq: int) -> tuple:
 
 
 def _kept(slots):
-    index = (slots >= 0).nonzero().view(-1)
-    return index, slots.index_select(0, index).long()
+    """The indices of the tokens a negative slot does not skip, and their slots (int64); once per step for a
+    step's slots (values.STEP: each layer's call would otherwise mask both pools' rows and slots again)."""
+    key = ("kept", id(slots)) if STEP.holds(slots) else None
+    hit = STEP.memo.get(key)
+    if hit is None:
+        index = (slots >= 0).nonzero().view(-1)
+        hit = index, slots.index_select(0, index).long()
+        if key is not None:
+            STEP.memo[key] = hit
+    return hit
 
 
 def strided(plan, arrays) -> bool:
@@ -275,18 +283,6 @@ class Fast(OneToken, Normed):
         view = paged_view(pool, self.call.pool)
         return view.flatten(0, 1) if view.stride(0) == view.shape[1] * view.stride(1) else None
 
-    @staticmethod
-    def kept(slots):
-        """The tokens whose slot is not negative and their slots (int64): once per step for a step's slots
-        (values.STEP; each layer's call would otherwise mask both pools' rows and slots again)."""
-        if not STEP.holds(slots):
-            return _kept(slots)
-        key = ("kept", id(slots))
-        hit = STEP.memo.get(key)
-        if hit is None:
-            hit = STEP.memo[key] = _kept(slots)
-        return hit
-
     def write(self, pool, rows, slots, keep, scale=None):  # scale: 0 the k pool, 1 the v pool
         """``rows [T, H, dim]`` into the pool at ``slots`` (int64); ``keep``: the indices of the tokens written,
         ``slots`` theirs (None: all).
@@ -381,7 +377,7 @@ class Fast(OneToken, Normed):
                 written = self.compiled_step(qx, kx, qy, ky, v3, positions, slots, k_pool, v_pool, whole)
         if not written:
             # index_copy_'s index type; a negative slot skips the token's write
-            keep, slots = (None, slots.long()) if lo >= 0 else self.kept(slots)
+            keep, slots = (None, slots.long()) if lo >= 0 else _kept(slots)
             self.write(k_pool, k_rot, slots, keep, 0)
             self.write(v_pool, v3, slots, keep, 1)
         return q_rot, k_out if k_out is not None else k_rot if k.ndim == 3 else k_rot.view(k.shape), k_pool, v_pool
