@@ -8,7 +8,7 @@ Per attention layer and step, when the call comes from continuous batching
    (``position_embeddings`` = cos 1, sin 0; the family's
    ``apply_rotary_pos_emb``, wrapped once, returns q and k as they are for
    it, without computing) and takes the cache out of the kwargs (so its
-   ``cache.update`` writes nothing), passing it on as ``ropepool_cache``; the
+   ``cache.update`` writes nothing), passing it on (with the layer) as ``ropepool_cache``; the
    layer's own ``q_norm``/``k_norm`` return their input while the layer runs
    (instance ``forward``s too), since ropepool fuses the norm; and once per
    step the model's rotary embeddings return that identity instead of
@@ -73,10 +73,10 @@ def _wrap(original):
         latent_step = kwargs.pop("ropepool_latent", None)
         if latent_step is not None:  # MLA: the latents were written and read in cache.update (latent.py)
             return original(module, latent_step.query(query), key, value, attention_mask, *args, **kwargs)
-        cache = kwargs.pop("ropepool_cache", None)
-        if cache is None:
+        step = kwargs.pop("ropepool_cache", None)
+        if step is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
-        query, (k_all, v_all) = fused_step(_LAYERS[module], cache, query, key, value, kwargs)
+        query, (k_all, v_all) = fused_step(*step, query, key, value, kwargs)
         # transformers 5.17's paged functions read K/V through cache.update; later ones take them as arguments.
         kwargs["cache"] = _Written(k_all, v_all)
         return original(module, query, _heads_first(k_all), _heads_first(v_all), attention_mask, *args, **kwargs)
@@ -245,7 +245,8 @@ def _fused_forward(own, module, mla: bool):
 
 def _enter(module, kwargs) -> dict:
     """A fused step's keywords for an attention module's forward: the identity rotation, and the cache moved
-    to ``ropepool_cache`` (its ``cache.update`` writes nothing; MLA: a ``LatentStep`` in its place, latent.py)."""
+    to ``ropepool_cache`` with the layer (its ``cache.update`` writes nothing; MLA: a ``LatentStep`` in its
+    place, latent.py)."""
     implementation = module.config._attn_implementation
     if not hosted(implementation):
         raise RopePoolError(
@@ -266,7 +267,7 @@ def _enter(module, kwargs) -> dict:
     if isinstance(layer, latent.LatentLayer):  # the module writes through cache.update: ropepool's call (latent.py)
         kwargs["cache"] = kwargs["ropepool_latent"] = latent.enter(module, layer, kwargs["cache"])
     else:
-        kwargs["ropepool_cache"] = kwargs.pop("cache")
+        kwargs["ropepool_cache"] = (layer, kwargs.pop("cache"))
     return kwargs
 
 
