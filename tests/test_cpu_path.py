@@ -451,3 +451,27 @@ def test_a_steps_skipped_slots_per_array(rng):
             run_checked(X, q, k, v, positions, slots, poison(make_cache(rng, "float32", P, Hkv, D), slots.numpy()))
     finally:
         STEP.begin()
+
+
+def test_a_steps_groups_share_its_cos_sin(spy, rng):
+    """Layers of two cache groups (pools of two sizes, each group's slots registered as its first layer
+    comes: values.STEP.add) make the step's cos/sin of one rotation once, with the oracle's results;
+    another rotation makes its own."""
+    from ropepool import RopeSpec
+    from ropepool.checks.values import STEP
+
+    computed = spy("_cos_sin")
+    T, Hq, Hkv, D = 5, 2, 1, 64
+    positions = torch.from_numpy(make_positions(rng, T))
+    slots = {P: torch.from_numpy(make_slots(rng, T, P)) for P in (32, 48)}
+    try:
+        STEP.begin(positions)
+        for P, rope in ((32, None), (48, None), (32, RopeSpec(head_dim=D, base=1e6))):
+            if not STEP.holds(slots[P]):
+                STEP.add(slots[P])
+            q, k, v = fused_qkv(rng, T, Hq, Hkv, D, "float32")
+            run_checked(X, q, k, v, positions, slots[P], poison(make_cache(rng, "float32", P, Hkv, D),
+                                                                   slots[P].numpy()), rope=rope)
+        assert len(computed) == 2, "once for the two groups' layers, once for the other rotation"
+    finally:
+        STEP.begin()

@@ -52,6 +52,11 @@ class Step:
     def begin(self, *arrays) -> None:
         self.arrays, self.memo = arrays, {}
 
+    def add(self, *arrays) -> None:
+        """More arrays of the same step (e.g. the slots of another group of layers): what was made for the
+        arrays registered so far stays."""
+        self.arrays += arrays
+
     def holds(self, *arrays) -> bool:
         mine = self.arrays
         for x in arrays:  # (loops, not all/any of generators: this runs in every layer's call)
