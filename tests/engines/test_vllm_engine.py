@@ -34,8 +34,13 @@ BF16_ROUTED = ["llama:80@bfloat16", "qwen3:80@bfloat16"]
 # Measured here: 0 (Llama: the same rotation, rounded once) and 0.040 (Qwen3: vLLM rounds the normalised row to
 # bf16 before the gain and again before RoPE, ropepool once); docs/engines.md.
 LOGPROB_BOUND = TIE = 0.25
-# DeepSeek V2 (MLA) in bfloat16: vLLM's AMX_MLA backend (picked on this AMX CPU) refuses float32 weights
-MLA = "deepseek_v2@bfloat16"
+# DeepSeek V2 (MLA) in bfloat16: vLLM's AMX_MLA backend (picked on this AMX CPU) refuses float32 weights; V3:
+# q_lora_rank and DeepSeek's YaRN (vLLM's DeepseekScalingRotaryEmbedding, deferred as a RopeSpec)
+MLA, MLA_V3 = "deepseek_v2@bfloat16", "deepseek_v3@bfloat16"
+# float32 MLA on vLLM's CPU_MLA backend (picked on CPUs without AMX tiles; forced here through
+# attention_config={"backend": "CPU_MLA"}, which CpuPlatform.get_attn_backend_cls honours)
+CPU_MLA = ["deepseek_v2+CPU_MLA", "deepseek_v3+CPU_MLA"]
+FLOAT32_BOUND = 1e-3  # |delta log-probability| against transformers' float32 model; measured 2.7e-5
 MAX_TOKENS = 6
 LAYERS = 2
 LOADED = "ropepool: RoPE + KV-cache writes of vLLM's CPU backend go through ropepool"
@@ -61,7 +66,7 @@ def serve(tmp: Path, families, ropepool: bool, tp: int = 1) -> tuple[dict, str]:
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-tp1")
-    families = FAMILIES + [BF16, MLA] + BF16_ROUTED
+    families = FAMILIES + [BF16, MLA, MLA_V3] + CPU_MLA + BF16_ROUTED
     return serve(tmp, families, ropepool=True), serve(tmp, families, ropepool=False)
 
 
@@ -142,7 +147,7 @@ def test_register_on_cpu_installs_the_route():
     from ropepool.integrations.vllm import register
 
     assert register() == ["CPU_ATTN", "AMX_MLA", "CPU_MLA", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm",
-                          "MRotaryEmbedding"]
+                          "MRotaryEmbedding", "DeepseekScalingRotaryEmbedding"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -222,7 +227,8 @@ def test_bfloat16_through_ropepool(tp1, family):
 
 
 def hf_logprob_gaps(family: str, r: dict) -> tuple[float, float]:
-    """transformers' own model (bfloat16) on the checkpoint, fed each prompt and the tokens vLLM generated:
+    """transformers' own model (in the family's dtype) on the checkpoint, fed each prompt and the tokens vLLM
+    generated:
     (largest |delta log-probability| of a generated token, largest gap between transformers' best token and
     the one generated)."""
     import tempfile
@@ -233,9 +239,10 @@ def hf_logprob_gaps(family: str, r: dict) -> tuple[float, float]:
     sys.path.insert(0, str(SERVE.parent))
     from vllm_serve import checkpoint, prompts
 
-    path = tempfile.mkdtemp(prefix="ropepool-hf-")
-    checkpoint(family.partition("@")[0], path)
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    name, _, dtype = family.partition("+")[0].partition("@")
+    with tempfile.TemporaryDirectory(prefix="ropepool-hf-") as path:
+        checkpoint(name, path)
+        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype or "float32")).eval()
     shared = tie = 0.0
     for prompt, tokens, lps in zip([p for b in prompts() for p in b], r["tokens"], r["logprobs"]):
         with torch.inference_mode():
@@ -246,18 +253,44 @@ def hf_logprob_gaps(family: str, r: dict) -> tuple[float, float]:
     return shared, tie
 
 
-def test_mla_through_ropepool(tp1):
-    """DeepSeek V2 (MLA, vLLM's AMX_MLA backend, bfloat16): each layer's q_pe / k_pe rotation and latent-cache
-    write is one rope_latent_fused call, every layer and step; the log-probabilities agree with transformers'
-    own model within LOGPROB_BOUND and each token is transformers' choice within TIE. (vLLM's own path is no
-    oracle here: its CPU rotary op mis-strides k_pe, a view of the latent projection; docs/engines.md.)"""
-    r = ok(tp1[0][0], MLA)
+@pytest.mark.parametrize("family", [MLA, MLA_V3])
+def test_mla_through_ropepool(tp1, family):
+    """DeepSeek V2 and V3 (MLA, vLLM's AMX_MLA backend, bfloat16): each layer's q_pe / k_pe rotation and
+    latent-cache write is one rope_latent_fused call, every layer and step (V3: YaRN with mscale and
+    mscale_all_dim, ropepool's RopeSpec of vLLM's parameters); the log-probabilities agree with transformers' own
+    model within LOGPROB_BOUND and each token is transformers' choice within TIE. V2: vLLM's own path is no
+    oracle (its CPU rotary op mis-strides k_pe, a view of the latent projection; docs/engines.md); V3's rotary
+    runs forward_native, which reads the view by its strides: there vLLM's own path is held to the same
+    bounds as well."""
+    (with_rp, _), (without, _) = tp1
+    r = ok(with_rp, family)
     calls = r.get("calls", [])
     assert calls and routes(r) == Counter(ropepool=len(calls)), f"calls by route {dict(routes(r))}"
     per_layer = Counter(c[2] for c in calls)
     assert len(per_layer) == LAYERS and len(set(per_layer.values())) == 1, per_layer
-    shared, tie = hf_logprob_gaps(MLA, r)
+    shared, tie = hf_logprob_gaps(family, r)
     assert shared <= LOGPROB_BOUND and tie <= TIE, f"log-probabilities differ by {shared:.3f} (tie {tie:.3f})"
+    if family == MLA_V3:
+        shared, tie = logprob_gaps(r, ok(without, family))
+        assert shared <= LOGPROB_BOUND and tie <= TIE, f"vs vLLM's own path: {shared:.3f} (tie {tie:.3f})"
+
+
+@pytest.mark.parametrize("family", CPU_MLA)
+def test_mla_float32_on_cpu_mla(tp1, family):
+    """vLLM's CPU_MLA backend, float32 (ropepool's CPUMLARoute): every layer call ropepool's; log-probabilities
+    within FLOAT32_BOUND of transformers' float32 model, each token its first choice within that bound; V3's
+    tokens identical with vLLM's own path (V2's own path mis-strides k_pe: no oracle)."""
+    (with_rp, log), (without, _) = tp1
+    assert "Using CPU_MLA backend" in log
+    r = ok(with_rp, family)
+    calls = r.get("calls", [])
+    assert calls and routes(r) == Counter(ropepool=len(calls)), f"calls by route {dict(routes(r))}"
+    per_layer = Counter(c[2] for c in calls)
+    assert len(per_layer) == LAYERS and len(set(per_layer.values())) == 1, per_layer
+    shared, tie = hf_logprob_gaps(family, r)
+    assert shared <= FLOAT32_BOUND and tie <= FLOAT32_BOUND, f"log-probabilities differ by {shared:.2e} ({tie:.2e})"
+    if family.startswith("deepseek_v3"):
+        assert r["tokens"] == ok(without, family)["tokens"]
 
 
 def test_tensor_parallel_2(tp1, tmp_path):

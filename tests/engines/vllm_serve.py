@@ -2,7 +2,8 @@
 
     python tests/engines/vllm_serve.py OUT.json --families llama,qwen3,llama@bfloat16,qwen3:80@bfloat16 [--tp 2]
 
-(``name:80``: head_dim 80; ``@dtype``: float32 unless said.)
+(``name:80``: head_dim 80; ``@dtype``: float32 unless said; ``+CPU_MLA``: vLLM's attention backend, as
+``attention_config={"backend": ...}`` selects it.)
 
 Run as its own process (vLLM spawns workers: hence the ``__main__`` guard); the test runs it
 with ropepool's entry point loaded as any install loads it, and with ``VLLM_PLUGINS=""``.
@@ -16,6 +17,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -26,6 +28,14 @@ SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
 # initializer_range 0.2 (HF's default is 0.02): the next token then depends on the context, so a wrong
 # rotation or cache row shows in the tokens.
+# MLA (DeepSeek V2/V3 shaped): vLLM's CPU MLA takes kv_lora_rank + qk_rope_head_dim = 576 only; every layer dense
+MLA = dict(SMALL, num_key_value_heads=4, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+           first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+           n_shared_experts=1)
+# DeepSeek V3's YaRN (factor 40 over 4096) scaled to this context: factor 4 over 128 positions; mscale and
+# mscale_all_dim apart, so cos and sin carry yarn_get_mscale(4, 1) / yarn_get_mscale(4, 0.5) = 1.065
+V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5}
 LOGPROBS = 5  # the top log-probabilities kept per generated token (and the chosen token's)
 
 
@@ -48,11 +58,11 @@ def checkpoint(family: str, path: str) -> None:
     elif family == "gemma3":  # per-layer RoPE base, one sliding-window layer (window 16) and one global
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**SMALL, head_dim=32, sliding_window=16,
                                                          layer_types=["sliding_attention", "full_attention"]))
-    elif family == "deepseek_v2":  # MLA; vLLM's CPU MLA takes kv_lora_rank + qk_rope_head_dim = 576 only
-        model = tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(
-            **{**SMALL, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32,
-            qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
-            num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1))  # every layer dense
+    elif family == "deepseek_v2":
+        model = tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(**MLA, q_lora_rank=None))
+    elif family == "deepseek_v3":  # q through q_lora_rank, DeepSeek's YaRN (vLLM: DeepseekScalingRotaryEmbedding)
+        model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**MLA, q_lora_rank=64, n_group=1, topk_group=1,
+                                                             rope_parameters=V3_YARN))
     else:
         raise SystemExit(f"unknown family {family!r}")
     if family == "gemma3":  # Gemma scales embeddings by sqrt(hidden): at full size the last token's embedding
@@ -71,7 +81,7 @@ def prompts():
     return first, second
 
 
-def serve(family: str, dtype: str, tp: int, max_tokens: int) -> dict:
+def serve(family: str, dtype: str, tp: int, max_tokens: int, backend: str | None = None) -> dict:
     from vllm import LLM, SamplingParams
 
     path = tempfile.mkdtemp(prefix=f"ropepool-{family}-")
@@ -79,7 +89,8 @@ def serve(family: str, dtype: str, tp: int, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     llm = LLM(path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, enable_prefix_caching=True,
               block_size=32, max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
-              distributed_executor_backend="uni" if tp == 1 else "mp")
+              distributed_executor_backend="uni" if tp == 1 else "mp",
+              attention_config={"backend": backend} if backend else None)
     up = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=LOGPROBS)
     tokens, cached, logprobs = [], [], []
@@ -93,6 +104,7 @@ def serve(family: str, dtype: str, tp: int, max_tokens: int) -> dict:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+    shutil.rmtree(path, ignore_errors=True)
     return {"tokens": tokens, "cached": cached, "logprobs": logprobs, "startup_s": round(up, 1)}
 
 
@@ -107,12 +119,13 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     calls = os.environ.get("ROPEPOOL_VLLM_CALLS")
     results = {}
-    for family in a.families.split(","):  # name or name@dtype (float32 unless said)
-        name, _, dtype = family.partition("@")
+    for family in a.families.split(","):  # name[@dtype][+BACKEND] (float32 unless said; vLLM picks the backend)
+        spec, _, backend = family.partition("+")
+        name, _, dtype = spec.partition("@")
         if calls:  # one file of ropepool's calls per family (the plugin reads the variable at each call)
             os.environ["ROPEPOOL_VLLM_CALLS"] = f"{calls}.{family}"
         try:
-            results[family] = serve(name, dtype or "float32", a.tp, a.max_tokens)
+            results[family] = serve(name, dtype or "float32", a.tp, a.max_tokens, backend or None)
         except Exception as e:  # noqa: BLE001 - the test reports what vLLM said, per family
             results[family] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         if calls and os.path.exists(f"{calls}.{family}"):

@@ -10,6 +10,8 @@ extension points (and one of torch's), registered by ``register()`` in every vLL
   ``DeferredRotaryEmbedding``. When every attention layer of the running model is served
   by ropepool (vLLM's forward context lists them) it rotates nothing and leaves the table,
   the positions and the key it was given for the attention layer that comes next.
+  ``(name="DeepseekScalingRotaryEmbedding")`` does the same for DeepSeek's YaRN rotary, handing over
+  the ``RopeSpec`` of its parameters (``deepseek_yarn_spec``) instead of its table.
 - ``CustomOp.register_oot(name="MRotaryEmbedding")``: the same for vLLM's multimodal rotary op (Qwen2-VL,
   Qwen2.5-VL, Qwen3-VL: ``[3, T]`` positions), its table handed on as a ``CosSinCache`` with the op's
   ``mrope_section`` and ``mrope_interleaved`` (``mrope_rope``).
@@ -46,6 +48,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
@@ -56,13 +59,14 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from ..api import rope_latent_fused
 from ..errors import RopePoolError
 from ..rotation.norm import QKNorm
-from ..rotation.spec import CosSinCache
+from ..rotation.spec import CosSinCache, RopeSpec
 from .vllm import _table, rope_and_cache
 
 log = logging.getLogger(__name__)
 ISAS = ("vec", "vec16")  # the cpu_attn_reshape_and_cache layouts probed (tests/engines/test_vllm_engine.py)
 
-# The rotation left for the next attention layer: (key's data pointer, positions, table, is_neox, norms, query).
+# The rotation left for the next attention layer: (key's data pointer, positions, table (vLLM's cos/sin table, or
+# a RopeSpec), is_neox, norms, query).
 _pending: list = []
 # The q/k norms left for the next rotary op: "q" / "k" -> (data pointer of the tensor not normalised, norm module).
 _norms: dict = {}
@@ -206,9 +210,32 @@ def mrope_rope(rope, table) -> CosSinCache:
     return held
 
 
+def deepseek_yarn_spec(rope) -> RopeSpec:
+    """The ``RopeSpec`` of vLLM's ``DeepseekScalingRotaryEmbedding`` (deepseek_scaling_rope.py): YaRN over its
+    ``max_position_embeddings`` (the checkpoint's original_max_position_embeddings), its factor and betas, and as
+    attention factor its ``mscale`` (``yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)``),
+    which vLLM multiplies into cos and sin."""
+    return RopeSpec(head_dim=rope.head_size, rotary_dim=rope.rotary_dim, base=rope.base,
+                    style="neox" if rope.is_neox_style else "gptj",
+                    scaling={"rope_type": "yarn", "factor": float(rope.scaling_factor), "beta_fast": rope.beta_fast,
+                             "beta_slow": rope.beta_slow, "attention_factor": float(rope.mscale),
+                             "original_max_position_embeddings": rope.max_position_embeddings})
+
+
+class DeferredDeepseekScalingRotaryEmbedding(_DeferredRope, DeepseekScalingRotaryEmbedding):
+    """vLLM's DeepSeek YaRN rotary (DeepSeek V2/V3 with rope_scaling yarn): ropepool rotates with the RopeSpec of
+    its parameters (computed cos and sin; vLLM's table holds them rounded to the model dtype)."""
+
+    def _ropepool_rope(self, query):
+        spec = self.__dict__.get("_ropepool_spec")
+        if spec is None:
+            spec = self.__dict__["_ropepool_spec"] = deepseek_yarn_spec(self)
+        return spec
+
+
 def _rope(table, is_neox):
-    """The ``rope=`` of a deferred rotation: a CosSinCache as it is, vLLM's table as its CosSinCache."""
-    return table if isinstance(table, CosSinCache) else _table(table, is_neox)
+    """The ``rope=`` of a deferred rotation: a CosSinCache or RopeSpec as it is, vLLM's table as its CosSinCache."""
+    return table if isinstance(table, (CosSinCache, RopeSpec)) else _table(table, is_neox)
 
 
 def _count(name: str, route: str, q, k, norm: str) -> None:
@@ -291,7 +318,7 @@ class _MLARoute:
                                 "deferred for. Fix: serve this model without ropepool (VLLM_PLUGINS='').")
         rank, kpe = kv_c_normed.shape[-1], k_pe.squeeze(1)  # [T, rope_dim]: one head
         _, k_rot, _, _ = rope_latent_fused(q_pe, kpe, kv_c_normed, positions, slot_mapping.flatten(),
-                                           kv_cache[..., :rank], kv_cache[..., rank:], rope=_table(table, is_neox),
+                                           kv_cache[..., :rank], kv_cache[..., rank:], rope=_rope(table, is_neox),
                                            kv_layout="NHD", q_pe_out=q_pe)
         kpe.copy_(k_rot)  # the layer's attention reads k_pe too (prefill)
         _count(name, "ropepool", q_pe, k_pe, "-")
@@ -321,7 +348,8 @@ def register() -> list[str]:
     """Install on vLLM's CPU platform (once per process); the names of what was installed."""
     if not getattr(register, "done", False):
         for ours, theirs in ((DeferredRotaryEmbedding, RotaryEmbedding), (DeferredRMSNorm, RMSNorm),
-                             (DeferredGemmaRMSNorm, GemmaRMSNorm), (DeferredMRotaryEmbedding, MRotaryEmbedding)):
+                             (DeferredGemmaRMSNorm, GemmaRMSNorm), (DeferredMRotaryEmbedding, MRotaryEmbedding),
+                             (DeferredDeepseekScalingRotaryEmbedding, DeepseekScalingRotaryEmbedding)):
             CustomOp.register_oot(ours, name=theirs.__name__)
             ours.name = theirs.name  # register_oot renames it; keep vLLM's custom_ops switch
         torch.nn.modules.module.register_module_module_registration_hook(_tag)
@@ -330,4 +358,4 @@ def register() -> list[str]:
             register_backend(enum, f"{__name__}.{ours.__name__}")
         register.done = True
     return ["CPU_ATTN", "AMX_MLA", "CPU_MLA", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm",
-            "MRotaryEmbedding"]
+            "MRotaryEmbedding", "DeepseekScalingRotaryEmbedding"]
