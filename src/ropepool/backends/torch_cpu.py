@@ -333,7 +333,7 @@ class Fast(OneToken, Normed):
         table = self.rot.table
         # Slots past the pool, positions outside the engine's table: only a runner called without
         # validation sees them (tests do); the general path masks them.
-        if hi >= self.call.pool_size or (table is not None and positions.numel() and not (
+        if hi >= self.pool_size or (table is not None and positions.numel() and not (
                 0 <= positions.min() and positions.max() < table.shape[0])):
             return self.general(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
         v3 = v if v.ndim == 3 else v[:, None]  # MLA: one latent head
@@ -363,7 +363,8 @@ class Fast(OneToken, Normed):
             T, H, D = both.shape
             x = both.view(T, H, *self.pairs)
             self._block(x, *self.cos_sin(positions)[:2], x)
-            q_rot, k_rot = (part.contiguous() for part in _parts(both, q.shape[1]))
+            q_rot, k_rot = _parts(both, q.shape[1])
+            q_rot, k_rot = q_rot.contiguous(), k_rot.contiguous()
             paths.took("torch_cpu.few")
         else:
             k3 = k if k.ndim == 3 else k[:, None]

@@ -79,7 +79,8 @@ def _wrap(original):
         query, (k_all, v_all) = fused_step(*step, query, key, value, kwargs)
         # transformers 5.17's paged functions read K/V through cache.update; later ones take them as arguments.
         kwargs["cache"] = _Written(k_all, v_all)
-        return original(module, query, _heads_first(k_all), _heads_first(v_all), attention_mask, *args, **kwargs)
+        return original(module, query, k_all.transpose(0, 1).unsqueeze(0), v_all.transpose(0, 1).unsqueeze(0),
+                        attention_mask, *args, **kwargs)
 
     attention.__ropepool_wraps__ = original
     attention.__name__ = f"ropepool_{getattr(original, '__name__', 'attention')}"
@@ -93,11 +94,12 @@ def fused_step(layer, cache, query, key, value, kwargs):
     (unrotated, unnormalised); returns q rotated in that layout and (K, V) of every row read as
     ``[rows, heads, head_dim]``. The step's positions and slots are worked out once per step, for all layers.
     """
-    q, k, v = _tokens_first(query), _tokens_first(key), _tokens_first(value)
+    # [1, heads, T, D] <-> [T, heads, D] views, written out: this runs per layer and step
+    q, k, v = query.select(0, 0).transpose(0, 1), key.select(0, 0).transpose(0, 1), value.select(0, 0).transpose(0, 1)
     kv = paged.layer_kv(cache, layer.index, kwargs)
     old = kv.read_before_write()
     q_rot, k_rot = run_layer(layer, q, k, v, kv)
-    return _heads_first(q_rot), kv.read(old, k_rot, v)
+    return q_rot.transpose(0, 1).unsqueeze(0), kv.read(old, k_rot, v)
 
 
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Layer -> (layout, k_pool, v_pool, runner)
@@ -130,22 +132,6 @@ def run_layer(layer, q, k, v, kv) -> tuple:
     if runner is not None and k_pool.dtype == q.dtype and k_pool.data_ptr() != v_pool.data_ptr():
         _BOUND[layer] = (layout, k_pool, v_pool, runner)
     return q_rot, k_rot
-
-
-def _tokens_first(x):
-    """``[1, heads, T, D]`` as ``[T, heads, D]``: a view, one ``as_strided`` (select and transpose: two calls, ~2 us
-    more on the shared 2-core VM)."""
-    _, H, T, D = x.shape
-    s = x.stride()
-    return x.as_strided((T, H, D), (s[2], s[1], s[3]), x.storage_offset())
-
-
-def _heads_first(x):
-    """``[T, heads, D]`` as ``[1, heads, T, D]``: a view, one ``as_strided`` (the strides transpose and unsqueeze
-    give)."""
-    T, H, D = x.shape
-    s = x.stride()
-    return x.as_strided((1, H, T, D), (H * s[1], s[1], s[0], s[2]), x.storage_offset())
 
 
 class _Written:
@@ -247,13 +233,12 @@ def _enter(module, kwargs) -> dict:
     """A fused step's keywords for an attention module's forward: the identity rotation, and the cache moved
     to ``ropepool_cache`` with the layer (its ``cache.update`` writes nothing; MLA: a ``LatentStep`` in its
     place, latent.py)."""
-    implementation = module.config._attn_implementation
-    if not hosted(implementation):
-        raise RopePoolError(
-            f"ropepool hosts continuous batching with the attention implementations {list(HOSTED)}; this step of "
-            f"layer {module.layer_idx} runs {implementation!r}. Fix: load the model with attn_implementation='sdpa' "
-            "(in half precision also pass ContinuousBatchingConfig(auto_switch_to_flash=False), where it exists), "
-            "or ropepool.integrations.transformers.disable(model).")
+    config = module.config
+    checked = getattr(_STATE, "checked", None)  # the configs checked in this step (_stepping), or None
+    if checked is None or id(config) not in checked:
+        _check_hosted(module, config._attn_implementation)
+        if checked is not None:
+            checked.add(id(config))
     if "position_embeddings" not in kwargs or "position_ids" not in kwargs:
         raise RopePoolError(
             f"cannot host layer {module.layer_idx} ({type(module).__name__}): its decoder layer did not pass "
@@ -271,6 +256,15 @@ def _enter(module, kwargs) -> dict:
     return kwargs
 
 
+def _check_hosted(module, implementation: str) -> None:
+    if not hosted(implementation):
+        raise RopePoolError(
+            f"ropepool hosts continuous batching with the attention implementations {list(HOSTED)}; this step of "
+            f"layer {module.layer_idx} runs {implementation!r}. Fix: load the model with attn_implementation='sdpa' "
+            "(in half precision also pass ContinuousBatchingConfig(auto_switch_to_flash=False), where it exists), "
+            "or ropepool.integrations.transformers.disable(model).")
+
+
 def _passthrough(own, attention_module):
     """A q/k norm's forward: its input, while its attention module is in a fused step (ropepool normalises)."""
     ref = weakref.ref(attention_module)
@@ -286,12 +280,12 @@ def _stepping(own):
     def forward(*args, **kwargs):
         if not _paged(kwargs):
             return own(*args, **kwargs)
-        outer = getattr(_STATE, "step", False)
-        _STATE.step = True
+        outer = getattr(_STATE, "step", False), getattr(_STATE, "checked", None)
+        _STATE.step, _STATE.checked = True, set()  # (each config's implementation is checked once a step)
         try:
             return own(*args, **kwargs)
         finally:
-            _STATE.step = outer
+            _STATE.step, _STATE.checked = outer
 
     return forward
 
