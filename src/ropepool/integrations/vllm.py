@@ -53,7 +53,11 @@ LAYOUTS = {
     "packed": "[num_blocks, heads, block_size, 2 * head_size], K then V in the last dim: vLLM's standardized layout",
     "cpu": "[num_blocks, heads, block_size, 2 * head_size], per block and head the keys as [head_size, block_size] "
            "then the values as rows: vLLM's CPU backend (isa vec / vec16)",
+    "cpu_amx": "[num_blocks, heads, block_size, 2 * head_size], per block and head the keys then the values, each "
+               "packed in AMX tiles: vLLM's CPU backend (isa amx; ropepool's kv_layout='amx')",
 }
+# The ropepool kv_layout of each layout's two views (cache_views): NHD unless named.
+KV_LAYOUT = {"cpu": "HND", "cpu_amx": "amx"}
 
 # vLLM's CUDA attention backends: (module, backend class).
 BACKENDS = (("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend"),
@@ -74,7 +78,8 @@ def detect_layout(kv_cache: torch.Tensor, head_size: int) -> str:
 
 def cache_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value caches ``[num_blocks, block_size, heads, head_size]`` (``"cpu"``: HND,
-    ``[num_blocks, heads, block_size, head_size]``, the keys' head dim strided): views into ``kv_cache``."""
+    ``[num_blocks, heads, block_size, head_size]``, the keys' head dim strided; ``"cpu_amx"``: that shape,
+    each (block, head) run AMX-packed): views into ``kv_cache``."""
     if layout == "kv_first":
         return kv_cache.unbind(0)
     if layout == "blocks_first":
@@ -86,6 +91,9 @@ def cache_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> tuple[to
         blocks, heads, block_size, _ = kv_cache.shape
         keys = kv_cache.view(blocks, heads, 2, head_size, block_size)[:, :, 0]  # stored transposed
         return keys.transpose(-1, -2), kv_cache.view(blocks, heads, 2, block_size, head_size)[:, :, 1]
+    if layout == "cpu_amx":  # the same halves, each (block, head) run packed (docs/layouts.md)
+        blocks, heads, block_size, _ = kv_cache.shape
+        return kv_cache.view(blocks, heads, 2 * block_size, head_size).chunk(2, dim=2)
     raise RopePoolError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}. Fix: pass the name of the "
                         "backend's cache layout, or None to read it from kv_cache's shape.")
 
@@ -168,7 +176,7 @@ def rope_and_cache(query, key, value, positions, cos_sin_cache, is_neox, kv_cach
         k_cache, v_cache = k_cache.view(fp8), v_cache.view(fp8)
     rope_pool_fused(q, k, v, pos, slot_mapping, k_cache, v_cache, head_dim=head_size, num_qo_heads=q.shape[1],
                     num_kv_heads=k.shape[1], rope=_table(cos_sin_cache, is_neox) if rope is None else rope,
-                    kv_layout="HND" if layout == "cpu" else "NHD", q_out=q if q_out is None else q_out[:n],
+                    kv_layout=KV_LAYOUT.get(layout, "NHD"), q_out=q if q_out is None else q_out[:n],
                     k_out=k if k_out is None else k_out[:n], backend=backend, qk_norm=qk_norm, **scales)
 
 
@@ -325,7 +333,8 @@ def register() -> list[str]:
 
         installed = vllm_cpu.register()
         log.warning("ropepool: RoPE + KV-cache writes of vLLM's CPU backend go through ropepool (%s replaced; "
-                    "eager runs, cache dtypes float32/bfloat16/float16 with isa vec or vec16).", ", ".join(installed))
+                    "eager runs, cache dtypes float32/bfloat16/float16 with isa vec, vec16 or amx).",
+                    ", ".join(installed))
         return installed
     installed = []
     for module, name in BACKENDS:

@@ -21,9 +21,10 @@ extension points (and one of torch's), registered by ``register()`` in every vLL
   place and writes k and v into the cache, then vLLM's own CPU attention kernel runs.
   vLLM's CPU cache keeps each block's keys transposed (``[head_size, block_size]`` per head,
   isa vec / vec16) and its values as rows: ropepool writes the keys through a transposed view,
-  an HND pool whose head dim is strided (``cache_views(..., "cpu")``). The AMX layout (isa amx:
-  bfloat16 on an AMX CPU, head size a multiple of 32) packs bf16 pairs, which no strided view reaches
-  (docs/engines.md): those layers stay vLLM's, with a warning.
+  an HND pool whose head dim is strided (``cache_views(..., "cpu")``). With isa amx (bfloat16 on
+  an AMX CPU, head size a multiple of 32) each block's keys and values are packed in AMX tiles:
+  ropepool writes them as ``kv_layout="amx"`` (``cache_views(..., "cpu_amx")``, docs/layouts.md).
+  Other ISAs (neon, vxe, ...) stay vLLM's, with a warning.
 
 - ``CustomOp.register_oot(name="RMSNorm")`` and ``(name="GemmaRMSNorm")``: a per-head q/k norm
   (an attention module's ``q_norm`` / ``k_norm``: Qwen3, Gemma 3, ...) normalises nothing
@@ -63,7 +64,9 @@ from ..rotation.spec import CosSinCache, RopeSpec
 from .vllm import _table, rope_and_cache
 
 log = logging.getLogger(__name__)
-ISAS = ("vec", "vec16")  # the cpu_attn_reshape_and_cache layouts probed (tests/engines/test_vllm_engine.py)
+# isa -> the cache layout of its cpu_attn_reshape_and_cache write (vllm.LAYOUTS), probed byte for byte against vLLM's
+# (tests/engines/test_vllm_engine.py)
+ISAS = {"vec": "cpu", "vec16": "cpu", "amx": "cpu_amx"}
 
 # The rotation left for the next attention layer: (key's data pointer, positions, table (vLLM's cos/sin table, or
 # a RopeSpec), is_neox, norms, query).
@@ -100,9 +103,8 @@ def _model_served() -> bool:
                 m.impl._ropepool_name = name
         isas = {getattr(m, "isa", None) for m in attn if isinstance(m.impl, CPUImpl)} - set(ISAS)
         if isas:
-            log.warning("ropepool: vLLM's CPU attention packs its cache for isa %s here (bfloat16 on an AMX CPU: "
-                        "'amx', unless the head size is a multiple of 16 but not of 32); ropepool writes isa %s "
-                        "only, so vLLM does RoPE and the cache writes itself.",
+            log.warning("ropepool: vLLM's CPU attention lays its cache out for isa %s here; ropepool writes isa "
+                        "%s only, so vLLM does RoPE and the cache writes itself.",
                         sorted(map(str, isas)), " / ".join(ISAS))
         hit = _served[id(layers)] = (layers, bool(attn) and all(served_here(m) for m in attn))
     return hit[1]
@@ -283,8 +285,8 @@ class CPUImpl(CPUAttentionBackendImpl):
                 else:
                     _, positions, table, is_neox, norms, _ = pending
                     qk_norm = _qk_norm(self, norms)
-                    rope_and_cache(query, key, value, positions, table, is_neox, kv_cache, slots, layout="cpu",
-                                   qk_norm=qk_norm, rope=_rope(table, is_neox))
+                    rope_and_cache(query, key, value, positions, table, is_neox, kv_cache, slots,
+                                   layout=ISAS[layer.isa], qk_norm=qk_norm, rope=_rope(table, is_neox))
                     _count(layer.layer_name, "ropepool", query[:n], key, vllm_norm if qk_norm is None else "ropepool")
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                output_block_scale)
