@@ -237,11 +237,11 @@ def _tok_s(runs) -> str:
 
 # Why ropepool can lose a model here: what is measured is the whole serving step.
 WHY_SLOWER = {
-    "cpu": "these models are tiny (hidden size 64, 2-3 layers), so a step is host time, a few microseconds per "
-           "small torch op and its Python; per layer ropepool's call (the hooks that hand it the step, its "
-           "views of q, k, v and the pools, the bound runner, norm, rotation, pool write) still costs more host "
-           "time than transformers' eager norm, RoPE and cache write that it replaces; the fused call pays off "
-           "where the rows are large or on a GPU",
+    "cpu": "these models are tiny (hidden size 64, 2-3 layers), so a step is host time: per layer, ropepool's "
+           "one call (a dozen small torch ops and the Python around them) still costs more CPU time than "
+           "transformers' eager norm, RoPE and cache write that it replaces, small ops too, each a few "
+           "microseconds within a step whatever its size (benchmarks/serving_layers.py measures the difference "
+           "per layer and step); the fused call pays off where the rows are many or on a GPU",
     "cuda": "on a GPU these tiny models' steps are launch-bound: one Triton launch replaces a few small "
             "kernels, a few microseconds per layer",
 }
