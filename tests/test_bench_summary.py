@@ -119,6 +119,30 @@ def test_overwritten_record_is_read_at_its_last_write(recs):
     assert rec.commit == bench_records._git("log", "-1", "--format=%h", "4058d18")
 
 
+# Backend modules a device's path imports but whose changes do not change its speed (counters of the paths taken).
+NOT_MEASURED = {"paths"}
+
+
+@pytest.mark.parametrize("kind,entry", [("cpu", "torch_cpu"), ("mlx", "mlx")])
+def test_code_paths_cover_the_path(kind, entry):
+    """Every backend module the CPU / MLX path imports (transitively, within backends/) is in its
+    CODE_PATHS, so a change to the math it runs marks its records stale (†)."""
+    import ast
+
+    backends = ROOT / "src" / "ropepool" / "backends"
+    seen, todo = set(), [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen or not (backends / f"{name}.py").exists():
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse((backends / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                todo += [node.module] if node.module else [a.name for a in node.names]
+    listed = {p.rsplit("/", 1)[1].removesuffix(".py") for p in bench_records.CODE_PATHS[kind]}
+    assert seen - NOT_MEASURED <= listed, f"{kind}: imported but not in CODE_PATHS: {seen - NOT_MEASURED - listed}"
+
+
 @NEEDS_GIT
 def test_docstring_changes_are_not_code_changes():
     """410571c changed only torch_cpu.py's docstring: the CPU code is the same before and after, so a

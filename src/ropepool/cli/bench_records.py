@@ -35,15 +35,20 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "docs" / "bench"
 
-# The code each device's figures depend on: the kernel and its launcher, the CPU path, the MLX path. A
-# commit touching one of these makes older rows stale. (The shared host path, api/plan/validate, is
-# left out on purpose: its commits are mostly messages and docstrings, and would mark every row.)
+# The code each device's figures depend on: the kernel and its launcher, the CPU path, the MLX path, each
+# with the backend modules it computes with (the shared array math, the framework's array adapter, the
+# quantized stores). A commit touching one of these makes older rows stale. (The shared host path,
+# api/plan/validate, and the path counters are left out on purpose: their commits are mostly messages and
+# docstrings, and would mark every row.)
 CODE_PATHS = {
     "gpu": ["src/ropepool/backends/triton_kernel.py", "src/ropepool/backends/triton_op.py",
             "src/ropepool/backends/triton_launch.py", "src/ropepool/backends/triton_stores.py"],
     "cpu": ["src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py",
-            "src/ropepool/backends/torch_cpu_one_token.py", "src/ropepool/backends/torch_cpu_norm.py"],
-    "mlx": ["src/ropepool/backends/mlx.py"],
+            "src/ropepool/backends/torch_cpu_one_token.py", "src/ropepool/backends/torch_cpu_norm.py",
+            "src/ropepool/backends/arraymath.py", "src/ropepool/backends/torch_arrays.py",
+            "src/ropepool/backends/dsa_store.py"],
+    "mlx": ["src/ropepool/backends/mlx.py", "src/ropepool/backends/arraymath.py",
+            "src/ropepool/backends/mlx_arrays.py", "src/ropepool/backends/blockquant.py"],
 }
 
 # Rows that a record holds but that must not be read, with the reason (docs/benchmarks.md says why).
