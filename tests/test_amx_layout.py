@@ -1,4 +1,5 @@
-"""kv_layout="amx": vLLM's CPU AMX-packed cache (isa amx: bfloat16 on an AMX CPU), on both torch rows.
+"""kv_layout="amx": vLLM's CPU AMX-packed cache (isa amx: bfloat16 on an AMX CPU), on both torch rows and the
+Triton kernel (on CUDA, else under TRITON_INTERPRET=1).
 
 Each (block, head) run of ``block_size * head_dim`` elements holds the keys in tiles of 16 tokens x 2
 features and the values in tiles of 2 tokens x 16 features (docs/layouts.md). Checks as
@@ -17,48 +18,64 @@ torch = pytest.importorskip("torch")
 import ropepool  # noqa: E402
 from ropepool import RopeSpec, plan  # noqa: E402
 from ropepool.backends import paths  # noqa: E402
-from tests.harness import FLOATS, Backend, Cache, make_cache, make_positions, make_slots, poison, randn, run_checked  # noqa: E402
+from tests.harness import (  # noqa: E402
+    Backend,
+    Cache,
+    backend_for,
+    crossed,
+    make_cache,
+    make_positions,
+    make_slots,
+    poison,
+    randn,
+    run_checked,
+)
 
 X = Backend("torch", "cpu")
 HQ, HKV = 4, 2
 
 
-@pytest.fixture(params=["torch", "torch-general"])
+@pytest.fixture(params=["torch", "torch-general", "triton"])
 def row(request, monkeypatch):
-    """The CPU path (torch_cpu, its write counted) and the general torch code (torch_eager, any device)."""
+    """The CPU path (torch_cpu, its write counted), the general torch code (torch_eager, any device) and the
+    Triton kernel: the Backend that runs the call."""
     from ropepool import backends
 
     plan.forget()
     if request.param == "torch-general":
         monkeypatch.setattr(backends, "BACKENDS", tuple(b for b in backends.BACKENDS if b.module != ".torch_cpu"))
-    return request.param
+    if request.param == "triton":  # under the CPU interpreter one dtype per case (crossed's big mark)
+        return backend_for("triton", big=request.node.get_closest_marker("big") is not None)
+    return X
 
 
-def _run(rng, dtype, T, D, bs, slots, layers=None, layer=None, rope=None, **kw):
+def _run(row, rng, dtype, T, D, bs, slots, layers=None, layer=None, rope=None, **kw):
     q, k, v = (randn(rng, T, h, D, dtype=dtype, scale=2.0) for h in (HQ, HKV, HKV))
     cache = make_cache(rng, dtype, 3 * bs, HKV, D, kv_layout="amx", page_size=bs, layers=layers, layer=layer)
     before = paths.count("torch_cpu.write")
-    result = run_checked(X, q, k, v, make_positions(rng, T, high=100_000), slots, poison(cache, slots),
+    result = run_checked(row, q, k, v, make_positions(rng, T, high=100_000), slots, poison(cache, slots),
                          rope=rope, **kw)
     return result, paths.count("torch_cpu.write") - before
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("T,D,bs,layer", [(7, 64, 32, None), (5, 128, 16, -1), (1, 16, 64, 1), (33, 32, 32, None)],
-                         ids=["T7-D64-bs32", "T5-D128-bs16-layer-1", "T1-D16-bs64-layer1", "T33-D32-bs32"])
-def test_amx_matches_oracle(row, dtype, T, D, bs, layer, rng):
+@pytest.mark.parametrize("shape,dtype", crossed([
+    pytest.param((7, 64, 32, None), id="T7-D64-bs32"), pytest.param((5, 128, 16, -1), id="T5-D128-bs16-layer-1"),
+    pytest.param((1, 16, 64, 1), id="T1-D16-bs64-layer1"), pytest.param((33, 32, 32, None), id="T33-D32-bs32")]))
+def test_amx_matches_oracle(row, shape, dtype, rng):
     """Odd token counts, one token (decode), a layer of a stack, slots -1 skipped and spread over blocks."""
+    T, D, bs, layer = shape
     slots = make_slots(rng, T, 3 * bs, skip_every=3)
-    _, fast = _run(rng, dtype, T, D, bs, slots, layers=3 if layer is not None else None, layer=layer,
+    _, fast = _run(row, rng, dtype, T, D, bs, slots, layers=3 if layer is not None else None, layer=layer,
                    rope=RopeSpec(head_dim=D, rotary_dim=D // 2, style="gptj") if D == 128 else None)
-    assert fast == (2 if row == "torch" else 0), "both pools by the CPU path's write (else torch_eager's)"
+    cpu_path = row.name == "torch" and plan.backends.pick("torch", None, "torch").module == ".torch_cpu"
+    assert fast == (2 if cpu_path else 0), "both pools by the CPU path's write (else torch_eager's or the kernel)"
 
 
 def test_amx_every_row_of_a_block(row, rng):
     """A whole block written in shuffled order, its neighbours' canaries untouched: each tile's every place."""
     bs, D = 32, 32
     slots = bs + rng.permutation(bs)
-    _run(rng, "bfloat16", bs, D, bs, slots)
+    _run(row, rng, "bfloat16", bs, D, bs, slots)
 
 
 def test_amx_bytes_are_the_formula(row):
@@ -70,19 +87,20 @@ def test_amx_bytes_are_the_formula(row):
     t, d = torch.meshgrid(torch.arange(bs), torch.arange(D), indexing="ij")
     where = {0: ((t // 16) * (D // 2) + d // 2) * 32 + t % 16 * 2 + d % 2,
              1: ((d // 16) * (bs // 2) + t // 2) * 32 + d % 16 * 2 + t % 2}
+    bf16 = dict(dtype=torch.bfloat16, device=row.device)
     for code in (t, d):  # small integers: exact in bfloat16
-        kv = code[:, None].expand(bs, HKV, D).to(torch.bfloat16).contiguous()
-        cache = torch.full((blocks, HKV, 2 * bs, D), -1.0, dtype=torch.bfloat16)  # cpu_attn.py's split of a layer
+        kv = code[:, None].expand(bs, HKV, D).to(**bf16).contiguous()
+        cache = torch.full((blocks, HKV, 2 * bs, D), -1.0, **bf16)  # cpu_attn.py's split of a layer's cache
         k_pool, v_pool = cache.chunk(2, dim=2)
-        q, positions = torch.zeros(bs, HQ, D, dtype=torch.bfloat16), torch.zeros(bs, dtype=torch.long)
-        ropepool.rope_pool_fused(q, kv, kv, positions, bs + torch.arange(bs), k_pool, v_pool, head_dim=D,
-                                 num_qo_heads=HQ, num_kv_heads=HKV, rope=RopeSpec(head_dim=D, rotary_dim=0),
-                                 kv_layout="amx")
+        q, positions = torch.zeros(bs, HQ, D, **bf16), torch.zeros(bs, dtype=torch.long, device=row.device)
+        ropepool.rope_pool_fused(q, kv, kv, positions, bs + torch.arange(bs, device=row.device), k_pool, v_pool,
+                                 head_dim=D, num_qo_heads=HQ, num_kv_heads=HKV, backend=row.name,
+                                 rope=RopeSpec(head_dim=D, rotary_dim=0), kv_layout="amx")
         for which, pool in enumerate((k_pool, v_pool)):
-            stored = pool[1].reshape(HKV, bs * D)
+            stored = pool[1].reshape(HKV, bs * D).cpu()
             for h in range(HKV):
                 assert torch.equal(stored[h][where[which].flatten()], code.flatten().to(torch.bfloat16)), (which, h)
-        assert (cache[0] == -1).all(), "block 0 was not written"
+        assert (cache[0] == -1).all().item(), "block 0 was not written"
 
 
 def test_amx_halves_of_vllms_cache(row, rng):
@@ -92,17 +110,17 @@ def test_amx_halves_of_vllms_cache(row, rng):
     base = randn(rng, 3, HKV, 2 * bs, D, dtype="bfloat16")
     slots = make_slots(rng, T, 3 * bs, skip_every=4)
     cache = poison(Cache([base], "amx", bs, None, lambda o: (o[0][:, :, :bs], o[0][:, :, bs:])), slots)
-    run_checked(X, *(randn(rng, T, h, D, dtype="bfloat16") for h in (HQ, HKV, HKV)), make_positions(rng, T), slots,
-                cache)
+    run_checked(row, *(randn(rng, T, h, D, dtype="bfloat16") for h in (HQ, HKV, HKV)), make_positions(rng, T),
+                slots, cache)
 
 
-def test_amx_route_picks_no_triton_and_no_mlx():
-    """The registry: the Triton kernel has no tiled addressing (a CUDA call goes to the general torch code);
-    MLX refuses the layout while the call is checked (tests/test_errors.py has the message)."""
+def test_amx_registry_rows():
+    """The registry: every torch row takes the layout; MLX refuses it while the call is checked
+    (tests/test_errors.py has the message)."""
     from ropepool import backends
 
     for b in backends.BACKENDS:
-        assert ("layout.amx" in b.supports) == (b.module in (".torch_cpu", ".torch_eager")), b.module
+        assert ("layout.amx" in b.supports) == (b.framework == "torch"), b.module
 
 
 def test_amx_matches_hnd_values(rng):

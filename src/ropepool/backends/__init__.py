@@ -123,8 +123,7 @@ def _mlx_why_not(q) -> str | None:
 
 # In order of preference within a framework.
 BACKENDS = (
-    # (vLLM's AMX cache is a CPU cache: the kernel has no tiled addressing; the general torch code writes it)
-    Backend("triton", "torch", ".triton_op", ALL - {"pool.block.torch"} - LAYOUT, ("cuda",), _triton_why_not),
+    Backend("triton", "torch", ".triton_op", ALL - {"pool.block.torch"}, ("cuda",), _triton_why_not),
     # torch on CPU tensors in fewer passes; per-token-head caches, fp8 outputs, MRoPE, autograd and tracing
     # stay on the general torch code (its fallback too, for calls it declines at run time).
     Backend("torch", "torch", ".torch_cpu", ALL - {"mrope", "pool.per_token_head", "q_out.scaled", "k_out.scaled"}

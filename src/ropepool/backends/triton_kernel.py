@@ -139,16 +139,39 @@ def _load_pairs(row, i, mask, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, GPTJ
 
 
 @triton.jit
+def _feature(d, TD: tl.constexpr, D1: tl.constexpr, D0: tl.constexpr):
+    """Feature d's offset in a row: d itself (TD 1: untiled, the same code as a plain ``row + d``), or in a
+    tiled pool (vLLM's AMX cache, checks/layout.py: TILED) tile d // TD at stride D1, place d % TD at D0."""
+    if TD == 1:
+        off = d
+    else:
+        off = (d // TD) * D1 + (d % TD) * D0
+    return off
+
+
+@triton.jit
+def _row(r, TT: tl.constexpr, ROW: tl.constexpr, ROW0: tl.constexpr):
+    """Row r's offset in a page: r * ROW (TT 1: untiled), or in a tiled pool tile r // TT at stride ROW,
+    place r % TT at ROW0."""
+    if TT == 1:
+        off = r * ROW
+    else:
+        off = (r // TT) * ROW + (r % TT) * ROW0
+    return off
+
+
+@triton.jit
 def _store_pairs(row, x1, x2, i, mask, scale, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, GPTJ: tl.constexpr,
-                 MODE: tl.constexpr, QMAX: tl.constexpr):
-    """_load_pairs' inverse: GPT-J halves joined back into whole rows, one contiguous store."""
+                 MODE: tl.constexpr, QMAX: tl.constexpr, TD: tl.constexpr = 1, D1: tl.constexpr = 1,
+                 D0: tl.constexpr = 0):
+    """_load_pairs' inverse: GPT-J halves joined back into whole rows, one contiguous store (untiled)."""
     if GPTJ:
         c = tl.arange(0, 2 * BLOCK_HALF)[None, :]
         x = tl.reshape(tl.join(x1, x2), [x1.shape[0], 2 * BLOCK_HALF])
-        _store_out(row + c, x, mask & (c < 2 * HALF), scale, MODE, QMAX)
+        _store_out(row + _feature(c, TD, D1, D0), x, mask & (c < 2 * HALF), scale, MODE, QMAX)
     else:
-        _store_out(row + i, x1, mask & (i < HALF), scale, MODE, QMAX)
-        _store_out(row + i + HALF, x2, mask & (i < HALF), scale, MODE, QMAX)
+        _store_out(row + _feature(i, TD, D1, D0), x1, mask & (i < HALF), scale, MODE, QMAX)
+        _store_out(row + _feature(i + HALF, TD, D1, D0), x2, mask & (i < HALF), scale, MODE, QMAX)
 
 
 @triton.jit
@@ -185,6 +208,8 @@ def rope_pool_kernel(
     VP_PAGE: tl.constexpr, VP_ROW: tl.constexpr, VP_SH: tl.constexpr, KS_PAGE: tl.constexpr, KS_ROW: tl.constexpr,
     KS_SH: tl.constexpr, VS_PAGE: tl.constexpr, VS_ROW: tl.constexpr, VS_SH: tl.constexpr, KB_PAGE: tl.constexpr,
     KB_ROW: tl.constexpr, KB_SH: tl.constexpr, VB_PAGE: tl.constexpr, VB_ROW: tl.constexpr, VB_SH: tl.constexpr,
+    KP_TT: tl.constexpr, KP_ROW0: tl.constexpr, KP_TD: tl.constexpr, KP_D1: tl.constexpr, KP_D0: tl.constexpr,
+    VP_TT: tl.constexpr, VP_ROW0: tl.constexpr, VP_TD: tl.constexpr, VP_D1: tl.constexpr, VP_D0: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TABLE_ST: tl.constexpr, MAX_POSITION: tl.constexpr, ATTENTION_SCALING: tl.constexpr, NUM_KV: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
@@ -318,8 +343,8 @@ def rope_pool_kernel(
     slot = tl.where(write, slot, 0)
     page = slot // PAGE_SIZE
     in_page = slot % PAGE_SIZE
-    kp_row = k_pool + page * KP_PAGE + in_page * KP_ROW + kv_head * KP_SH
-    vp_row = v_pool + page * VP_PAGE + in_page * VP_ROW + kv_head * VP_SH
+    kp_row = k_pool + page * KP_PAGE + _row(in_page, KP_TT, KP_ROW, KP_ROW0) + kv_head * KP_SH
+    vp_row = v_pool + page * VP_PAGE + _row(in_page, VP_TT, VP_ROW, VP_ROW0) + kv_head * VP_SH
     mkw = (hk < p_heads) & (kv_head < NUM_KV)
     if INDEXER:  # the key as returned (k's dtype), read back once stored; the pool is the uint8 cache; no value
         tl.debug_barrier()
@@ -346,10 +371,10 @@ def rope_pool_kernel(
             tl.store(ks_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH, ks, mask=mkw)
             tl.store(vs_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH, vs, mask=mkw)
         if ROT > 0:
-            _store_pairs(kp_row, k1, k2, i, mkw, k_scale, HALF, BLOCK_HALF, GPTJ, POOL_Q, FP8_MAX)
+            _store_pairs(kp_row, k1, k2, i, mkw, k_scale, HALF, BLOCK_HALF, GPTJ, POOL_Q, FP8_MAX, KP_TD, KP_D1, KP_D0)
         if ROT < D:
-            _store_out(kp_row + j, k_pass, mkw & mj, k_scale, POOL_Q, FP8_MAX)
+            _store_out(kp_row + _feature(j, KP_TD, KP_D1, KP_D0), k_pass, mkw & mj, k_scale, POOL_Q, FP8_MAX)
         if DS_MLA:  # the latent row's values and tile scales; k_pe went to the kpe view above (plain)
             ds_mla_store(vp_row, tl.where(dv < DV, vals.to(tl.float32), 0.0), mkw, DV, BLOCK_DV)
         else:
-            _store_out(vp_row + dv, vals, mkw & (dv < DV), v_scale, POOL_Q, FP8_MAX)
+            _store_out(vp_row + _feature(dv, VP_TD, VP_D1, VP_D0), vals, mkw & (dv < DV), v_scale, POOL_Q, FP8_MAX)

@@ -21,7 +21,7 @@ from typing import List, Optional
 import torch
 import triton
 
-from ..checks.layout import paged_view, pool_geometry
+from ..checks.layout import TILED, paged_view, pool_geometry, tiled_view
 from ..errors import RopePoolError
 from .torch_arrays import extras
 from .triton_launch import CONSTEXPRS, MAX_ENTRIES, Launch, long_factors
@@ -32,10 +32,13 @@ from .triton_launch import CONSTEXPRS, MAX_ENTRIES, Launch, long_factors
 #     per page, per row of a page (slot % page_size) and per head;
 #   KS_/VS_ + PAGE, ROW, SH: the per-token-head scale caches, the same view without the last dim (block pools:
 #     their scales' view); KB_/VB_: the affine pools' biases';
-#   TABLE_ST: the engine's cos/sin table per position.
+#   TABLE_ST: the engine's cos/sin table per position;
+#   KP_/VP_ + TT, ROW0, TD, D1, D0: a tiled pool's (layout.tiled_view: vLLM's AMX cache) tokens a tile (ROW is then
+#     the tile's stride, ROW0 a row's within it), features a tile and their strides (untiled: 1, 0, 1, 1, 0).
 _STRIDES = ("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "KO_ST", "KO_SH",
             "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH", "TABLE_ST", "KS_PAGE", "KS_ROW", "KS_SH",
-            "VS_PAGE", "VS_ROW", "VS_SH", "KB_PAGE", "KB_ROW", "KB_SH", "VB_PAGE", "VB_ROW", "VB_SH")
+            "VS_PAGE", "VS_ROW", "VS_SH", "KB_PAGE", "KB_ROW", "KB_SH", "VB_PAGE", "VB_ROW", "VB_SH",
+            "KP_TT", "KP_ROW0", "KP_TD", "KP_D1", "KP_D0", "VP_TT", "VP_ROW0", "VP_TD", "VP_D1", "VP_D0")
 _FLOAT_FEATURES = ("FP8_MAX", "Q_FP8_MAX", "K_FP8_MAX", "ATTENTION_SCALING", "EPS", "WEIGHT_OFFSET")
 _INT_FEATURES = tuple(n for n in CONSTEXPRS if n not in _STRIDES and n not in _FLOAT_FEATURES)
 # Bounds: plain data (no caller tensor); past its bound it is emptied and refilled.
@@ -188,7 +191,7 @@ class Launcher:
         (Prepared.extras)."""
         layer, kv_layout, headed = self.where
         geom = pool_geometry(k_pool.shape, None if layer < 0 else layer, kv_layout or None, bool(headed))
-        kp, vp = paged_view(k_pool, geom), paged_view(v_pool, geom)
+        (kp, k_tiles), (vp, v_tiles) = (_pool_strides(p, geom, which) for which, p in enumerate((k_pool, v_pool)))
         head = lambda x: x.stride(1) if x.ndim == 3 else 0  # noqa: E731  MLA's k_pe / kv_c: one head
         # New outputs are contiguous, whatever the token count: strides from the shape alone. (empty_like in
         # its default format would copy the strides of a one-token view, which the layout cache then reuses
@@ -197,11 +200,11 @@ class Launcher:
         ko = (k_out.stride(0), head(k_out)) if k_out is not None else (
             (k.shape[1] * k.shape[2], k.shape[2]) if k.ndim == 3 else (k.shape[1], 0))
         strides = (q.stride(0), q.stride(1), k.stride(0), head(k), v.stride(0), head(v), *qo, *ko,
-                   kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1),
-                   vp.stride(2), 0 if table is None else table.stride(0),
-                   *(s for c in scale_caches for s in (c.stride()[:3] if c is not None else (0, 0, 0))))
-        offsets = ((kp.storage_offset() - k_pool.storage_offset()) * k_pool.element_size(),
-                   (vp.storage_offset() - v_pool.storage_offset()) * v_pool.element_size())
+                   *kp[:3], *vp[:3], 0 if table is None else table.stride(0),
+                   *(s for c in scale_caches for s in (c.stride()[:3] if c is not None else (0, 0, 0))),
+                   *k_tiles, *v_tiles)
+        offsets = ((kp[3] - k_pool.storage_offset()) * k_pool.element_size(),
+                   (vp[3] - v_pool.storage_offset()) * v_pool.element_size())
         dtypes = (q.dtype, k.dtype, k_pool.dtype, q_out.dtype if q_out is not None else q.dtype,
                   k_out.dtype if k_out is not None else k.dtype, positions.dtype, slots.dtype, positions.ndim)
         key = (strides, offsets, geom.pool_size, dtypes)
@@ -211,6 +214,18 @@ class Launcher:
                 self._bound.clear()
             launch = self._bound[key] = Launch(self, dict(zip(_STRIDES, strides)), offsets, geom.pool_size)
         return launch
+
+
+def _pool_strides(pool, geom, which: int) -> tuple:
+    """How the kernel addresses a pool (``which``: 0 k, 1 v): ((page, row, head strides, storage offset) of the
+    layer written, its tiles (TT, ROW0, TD, D1, D0)). Untiled: the 4-D NHD view's, tiles (1, 0, 1, 1, 0). Tiled
+    (vLLM's AMX cache): the 6-D view [pages, rows // TT, TT, heads, dim // TD, TD]'s, ROW the row tile's."""
+    if geom.kv_layout not in TILED:
+        view = paged_view(pool, geom)
+        return (*view.stride()[:3], view.storage_offset()), (1, 0, 1, 1, 0)
+    view = tiled_view(pool, geom, which)
+    page, row, row0, head, d1, d0 = view.stride()
+    return (page, row, head, view.storage_offset()), (view.shape[2], row0, view.shape[5], d1, d0)
 
 
 def _scale_views(plan) -> tuple:
