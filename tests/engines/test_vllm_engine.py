@@ -251,6 +251,14 @@ def hf_logprob_gaps(family: str, r: dict) -> tuple[float, float]:
     return shared, tie
 
 
+def mla_calls_all_ropepool(r: dict) -> None:
+    """Every MLA layer's every step was one ropepool call (none vLLM's own write)."""
+    calls = r.get("calls", [])
+    assert calls and routes(r) == Counter(ropepool=len(calls)), f"calls by route {dict(routes(r))}"
+    per_layer = Counter(c[2] for c in calls)
+    assert len(per_layer) == LAYERS and len(set(per_layer.values())) == 1, per_layer
+
+
 @pytest.mark.parametrize("family", [MLA, MLA_V3])
 def test_mla_through_ropepool(tp1, family):
     """DeepSeek V2 and V3 (MLA, vLLM's AMX_MLA backend, bfloat16): each layer's q_pe / k_pe rotation and
@@ -262,10 +270,7 @@ def test_mla_through_ropepool(tp1, family):
     bounds as well."""
     (with_rp, _), (without, _) = tp1
     r = ok(with_rp, family)
-    calls = r.get("calls", [])
-    assert calls and routes(r) == Counter(ropepool=len(calls)), f"calls by route {dict(routes(r))}"
-    per_layer = Counter(c[2] for c in calls)
-    assert len(per_layer) == LAYERS and len(set(per_layer.values())) == 1, per_layer
+    mla_calls_all_ropepool(r)
     shared, tie = hf_logprob_gaps(family, r)
     assert shared <= LOGPROB_BOUND and tie <= TIE, f"log-probabilities differ by {shared:.3f} (tie {tie:.3f})"
     if family == MLA_V3:
@@ -281,10 +286,7 @@ def test_mla_float32_on_cpu_mla(tp1, family):
     (with_rp, log), (without, _) = tp1
     assert "Using CPU_MLA backend" in log
     r = ok(with_rp, family)
-    calls = r.get("calls", [])
-    assert calls and routes(r) == Counter(ropepool=len(calls)), f"calls by route {dict(routes(r))}"
-    per_layer = Counter(c[2] for c in calls)
-    assert len(per_layer) == LAYERS and len(set(per_layer.values())) == 1, per_layer
+    mla_calls_all_ropepool(r)
     shared, tie = hf_logprob_gaps(family, r)
     assert shared <= FLOAT32_BOUND and tie <= FLOAT32_BOUND, f"log-probabilities differ by {shared:.2e} ({tie:.2e})"
     if family.startswith("deepseek_v3"):
