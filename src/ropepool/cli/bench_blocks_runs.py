@@ -145,8 +145,9 @@ def demo_table(recs: Records, device: str = "cpu") -> str:
 
 @block("first-call")
 def first_call(recs: Records) -> str:
-    """``import ropepool`` plus the first call of a fresh process (benchmarks/first_call.py), each record."""
-    runs = recs.others("*-first-call*.json")
+    """``import ropepool`` plus the first call of a fresh process (benchmarks/first_call.py), each record, in
+    the order of the code they measured (the newest code last)."""
+    runs = sorted(recs.others("*-first-call*.json"), key=lambda run: run[0].order)
     if not runs:
         return "The first call: not recorded."
     lines = []
