@@ -306,18 +306,20 @@ def install(impl_cls, layout: str | None = None) -> None:
     impl_cls._ropepool_installed = True
 
 
-def _cpu_platform() -> bool:
-    """Whether vLLM runs on its CPU platform (False for a vLLM without ``vllm.platforms``)."""
+def _platform(name: str) -> bool:
+    """Whether vLLM runs on its platform ``name`` ("cpu", "cuda": NVIDIA only); False for a vLLM without
+    ``vllm.platforms``."""
     try:
         from vllm.platforms import current_platform
     except ImportError:
         return False
-    return current_platform.is_cpu()
+    return getattr(current_platform, f"is_{name}")()
 
 
 def register() -> list[str]:
-    """The ``vllm.general_plugins`` entry point: install ropepool on vLLM's CUDA attention backends
-    (on vLLM's CPU build: on its CPU backend and rotary op, ``vllm_cpu.register``).
+    """The ``vllm.general_plugins`` entry point: install ropepool on vLLM's CUDA attention backends, their
+    fused hooks and, on NVIDIA, the eager route of ``vllm_cuda.register`` (on vLLM's CPU build: on its CPU
+    backend and rotary op, ``vllm_cpu.register``).
 
     vLLM loads general plugins in every process (front end, engine core, workers). Returns the
     names of the backends it installed on; without vLLM it logs why and returns [].
@@ -328,7 +330,7 @@ def register() -> list[str]:
         log.warning("ropepool: vLLM is not importable (%s); the vLLM adapter was not installed. "
                     "ropepool.integrations.vllm.rope_and_cache can still be called directly.", e)
         return []
-    if _cpu_platform():  # no fusion pass there: vllm_cpu.py says how ropepool is reached
+    if _platform("cpu"):  # no fusion pass there: vllm_cpu.py says how ropepool is reached
         from . import vllm_cpu
 
         installed = vllm_cpu.register()
@@ -345,6 +347,13 @@ def register() -> list[str]:
             log.info("ropepool: not installed on %s.%s: %s", module, name, e)
             continue
         installed.append(name)
+    if _platform("cuda"):  # 0.32 runs the fusion passes on ROCm only: vllm_cuda.py routes eager CUDA runs
+        try:
+            from . import vllm_cuda
+
+            installed += vllm_cuda.register()
+        except (ImportError, AttributeError) as e:  # a build without these backends: the hooks alone
+            log.warning("ropepool: the eager CUDA route was not installed: %s", e)
     log.info("ropepool: RoPE + KV-cache writes of %s go through ropepool where supported "
              "(compilation pass_config.fuse_rope_kvcache must be on).", ", ".join(installed) or "no backend")
     return installed

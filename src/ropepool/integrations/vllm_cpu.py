@@ -35,6 +35,9 @@ extension points (and one of torch's), registered by ``register()`` in every vLL
   get an impl whose latent-cache write (``do_kv_cache_update``) makes one ``rope_latent_fused``
   call with the deferred q_pe / k_pe rotation (DeepSeek V2/V3 shaped models).
 
+The deferring ops (``register_ops``), ``take_pending`` and ``route_write`` also serve eager CUDA runs
+(vllm_cuda.py), whose write is FlashAttention's / Triton attention's ``do_kv_cache_update``.
+
 A deferred rotation or norm that no ropepool layer takes (a model that changes q or k between
 norm, RoPE and attention) raises instead of running unrotated or unnormalised. Compiled runs (no
 ``enforce_eager``) rotate and write as vLLM does: dynamo would trace the deferral away.
@@ -81,13 +84,13 @@ _served: dict = {}
 
 def served_here(layer) -> bool:
     """Whether ropepool does this attention layer's RoPE and write: decoder attention writing its own
-    unquantized cache (vLLM's CPU fp8 write has its own rounding, left to vLLM) in a layout probed
-    (``layer.isa``, set by vLLM's CPU metadata builder)."""
+    unquantized cache (vLLM's fp8 writes have their own rounding, left to vLLM) in a layout the route's impl
+    names (``ropepool_layout``: on CPU from ``layer.isa``, set by vLLM's CPU metadata builder)."""
     impl = layer.impl
     if isinstance(impl, _MLARoute):  # the latent cache: rows of kv_lora_rank + rope dim, bfloat16 or float32
         return impl.kv_cache_dtype == "auto"
-    return (isinstance(impl, CPUImpl) and impl.attn_type == AttentionType.DECODER
-            and getattr(layer, "isa", None) in ISAS and impl.kv_sharing_target_layer_name is None
+    return (hasattr(impl, "ropepool_layout") and impl.ropepool_layout(layer) is not None
+            and impl.attn_type == AttentionType.DECODER and impl.kv_sharing_target_layer_name is None
             and impl.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"))
 
 
@@ -110,8 +113,12 @@ def _model_served() -> bool:
     return hit[1]
 
 
-def _eager_cpu(x) -> bool:
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+def _eager(x) -> bool:
+    """An eager call on the CPU, or on a CUDA device outside graph capture (a captured graph would replay
+    kernels chosen from this Python state: vLLM rotates and writes there)."""
+    if torch.compiler.is_compiling():
+        return False
+    return x.device.type == "cpu" or (x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing())
 
 
 def _never_applied(what: str):
@@ -130,7 +137,7 @@ class _DeferredQKNorm:
         role = getattr(self, "_ropepool_role", None)
         if role is None:
             return super().forward(x, *args, **kwargs)
-        if (not args and not kwargs and x.dim() == 3 and tuple(self.weight.shape) == (x.shape[-1],) and _eager_cpu(x)
+        if (not args and not kwargs and x.dim() == 3 and tuple(self.weight.shape) == (x.shape[-1],) and _eager(x)
                 and getattr(self, "variance_size_override", None) is None and _model_served()):
             if role in _norms:
                 _never_applied("q/k norm")
@@ -173,7 +180,7 @@ class _DeferredRope:
 
     def forward(self, positions, query, key=None, *args, **kwargs):
         norms = _take_norms(query, key)
-        if key is None or args or kwargs or not _eager_cpu(query) or not _model_served():
+        if key is None or args or kwargs or not _eager(query) or not _model_served():
             if norms is not None:
                 _never_applied("q/k norm")
             return super().forward(positions, query, key, *args, **kwargs)
@@ -263,31 +270,48 @@ def _qk_norm(impl, norms) -> QKNorm | None:
     return held[2]
 
 
+def take_pending(layer, key):
+    """The rotation deferred for this layer (None: vLLM's rotary op rotated) and who normalised q and k (``_count``);
+    raises where it was deferred for another key."""
+    pending = _pending.pop() if _pending else None
+    if _norms or (pending is not None and (key is None or pending[0] != key.data_ptr())):
+        raise RopePoolError(f"layer {layer.layer_name}: the key given to attention is not the one RoPE or its "
+                            "q/k norm was deferred for. Fix: serve this model without ropepool (VLLM_PLUGINS='').")
+    vllm_norm = "vllm" if _vllm_norm else "-"
+    _vllm_norm.clear()
+    return pending, vllm_norm
+
+
+def route_write(impl, layer, pending, vllm_norm, query, key, value, kv_cache, slots, vllm_write) -> None:
+    """A layer's cache write: ``vllm_write`` (vLLM's own) where vLLM rotated, else the deferred norm, RoPE and write
+    by one ropepool call into the layout ``impl.ropepool_layout(layer)``; counted (``_count``)."""
+    n = slots.shape[0]
+    if pending is None:
+        vllm_write(layer, key, value, kv_cache, slots)
+        _count(layer.layer_name, "vllm", query[:n], key, vllm_norm)
+        return
+    _, positions, table, is_neox, norms, _ = pending
+    qk_norm = _qk_norm(impl, norms)
+    rope_and_cache(query, key, value, positions, table, is_neox, kv_cache, slots, layout=impl.ropepool_layout(layer),
+                   qk_norm=qk_norm, rope=_rope(table, is_neox))
+    _count(layer.layer_name, "ropepool", query[:n], key, vllm_norm if qk_norm is None else "ropepool")
+
+
 class CPUImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, its RoPE and cache write done first by one ropepool call."""
 
+    def ropepool_layout(self, layer):
+        return ISAS.get(getattr(layer, "isa", None))
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        pending = _pending.pop() if _pending else None
-        if _norms or (pending is not None and (key is None or pending[0] != key.data_ptr())):
-            raise RopePoolError(f"layer {layer.layer_name}: the key given to attention is not the one RoPE or its "
-                                "q/k norm was deferred for. Fix: serve this model without ropepool (VLLM_PLUGINS='').")
-        vllm_norm = "vllm" if _vllm_norm else "-"
-        _vllm_norm.clear()
+        pending, vllm_norm = take_pending(layer, key)
         if attn_metadata is not None and self.attn_type not in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER) \
                 and self.kv_sharing_target_layer_name is None:
             slots = get_forward_context().slot_mapping.get(layer.layer_name)
             if slots is not None:
-                n = slots.shape[0]
-                if pending is None:  # rotated by vLLM's rotary op: vLLM's own write
-                    self.do_kv_cache_update(layer, key, value, kv_cache, slots)
-                    _count(layer.layer_name, "vllm", query[:n], key, vllm_norm)
-                else:
-                    _, positions, table, is_neox, norms, _ = pending
-                    qk_norm = _qk_norm(self, norms)
-                    rope_and_cache(query, key, value, positions, table, is_neox, kv_cache, slots,
-                                   layout=ISAS[layer.isa], qk_norm=qk_norm, rope=_rope(table, is_neox))
-                    _count(layer.layer_name, "ropepool", query[:n], key, vllm_norm if qk_norm is None else "ropepool")
+                route_write(self, layer, pending, vllm_norm, query, key, value, kv_cache, slots,
+                            self.do_kv_cache_update)
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                output_block_scale)
 
@@ -346,18 +370,26 @@ class CPUMLA(CPUMLABackend):
         return CPUMLARoute
 
 
-def register() -> list[str]:
-    """Install on vLLM's CPU platform (once per process); the names of what was installed."""
-    if not getattr(register, "done", False):
-        for ours, theirs in ((DeferredRotaryEmbedding, RotaryEmbedding), (DeferredRMSNorm, RMSNorm),
-                             (DeferredGemmaRMSNorm, GemmaRMSNorm), (DeferredMRotaryEmbedding, MRotaryEmbedding),
-                             (DeferredDeepseekScalingRotaryEmbedding, DeepseekScalingRotaryEmbedding)):
+OPS = (RotaryEmbedding, RMSNorm, GemmaRMSNorm, MRotaryEmbedding, DeepseekScalingRotaryEmbedding)
+
+
+def register_ops() -> list[str]:
+    """Install the deferring rotary and q/k norm ops (every route's; once per process); their names."""
+    if not getattr(register_ops, "done", False):
+        for ours, theirs in zip((DeferredRotaryEmbedding, DeferredRMSNorm, DeferredGemmaRMSNorm,
+                                 DeferredMRotaryEmbedding, DeferredDeepseekScalingRotaryEmbedding), OPS):
             CustomOp.register_oot(ours, name=theirs.__name__)
             ours.name = theirs.name  # register_oot renames it; keep vLLM's custom_ops switch
         torch.nn.modules.module.register_module_module_registration_hook(_tag)
+        register_ops.done = True
+    return [op.__name__ for op in OPS]
+
+
+def register() -> list[str]:
+    """Install on vLLM's CPU platform (once per process); the names of what was installed."""
+    if not getattr(register, "done", False):
         for enum, ours in ((AttentionBackendEnum.CPU_ATTN, CPUBackend), (AttentionBackendEnum.AMX_MLA, AMXMLA),
                            (AttentionBackendEnum.CPU_MLA, CPUMLA)):
             register_backend(enum, f"{__name__}.{ours.__name__}")
         register.done = True
-    return ["CPU_ATTN", "AMX_MLA", "CPU_MLA", "RotaryEmbedding", "RMSNorm", "GemmaRMSNorm",
-            "MRotaryEmbedding", "DeepseekScalingRotaryEmbedding"]
+    return ["CPU_ATTN", "AMX_MLA", "CPU_MLA", *register_ops()]
