@@ -143,6 +143,17 @@ def test_code_paths_cover_the_path(kind, entry):
     assert seen - NOT_MEASURED <= listed, f"{kind}: imported but not in CODE_PATHS: {seen - NOT_MEASURED - listed}"
 
 
+def test_serving_records_follow_the_integration():
+    """A demo record (transformers' serving step through ropepool) goes stale with any module of the
+    transformers integration as with the CPU path: each is in CODE_PATHS["serving"]."""
+    folder = ROOT / "src" / "ropepool" / "integrations" / "transformers"
+    files = {f"src/ropepool/integrations/transformers/{p.name}" for p in folder.glob("*.py")}
+    assert files <= set(bench_records.CODE_PATHS["serving"]), files - set(bench_records.CODE_PATHS["serving"])
+    assert set(bench_records.CODE_PATHS["cpu"]) <= set(bench_records.CODE_PATHS["serving"])
+    demo = next(bench_records.BENCH.glob("cpu-*-demo-*.json"))
+    assert bench_records.describe(demo, json.loads(demo.read_text())).kind == "serving"
+
+
 @NEEDS_GIT
 def test_docstring_changes_are_not_code_changes():
     """410571c changed only torch_cpu.py's docstring: the CPU code is the same before and after, so a

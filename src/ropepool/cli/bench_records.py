@@ -50,6 +50,10 @@ CODE_PATHS = {
     "mlx": ["src/ropepool/backends/mlx.py", "src/ropepool/backends/arraymath.py",
             "src/ropepool/backends/mlx_arrays.py", "src/ropepool/backends/blockquant.py"],
 }
+# A CPU serving run (``ropepool demo``'s records) measures the CPU path and the transformers integration
+# that calls it in the serving step.
+CODE_PATHS["serving"] = CODE_PATHS["cpu"] + [f"src/ropepool/integrations/transformers/{name}.py" for name in
+                                             ("__init__", "attention", "latent", "model", "paged")]
 
 # Rows that a record holds but that must not be read, with the reason (docs/benchmarks.md says why).
 EXCLUDED = {
@@ -112,7 +116,7 @@ def _git(*args) -> str | None:
 @dataclass(frozen=True)
 class Record:
     file: str
-    kind: str          # "gpu", "cpu" or "mlx": which CODE_PATHS apply
+    kind: str          # "gpu", "cpu", "mlx" or "serving": which CODE_PATHS apply
     device: str
     date: str
     versions: str
@@ -240,9 +244,10 @@ def _rows(path: Path, d: dict):
 
 def describe(path: Path, d: dict) -> Record:
     """A record of any harness as a Record: its env's device (gpu, cpu or machine), versions, date,
-    commit and note; kind "gpu" with a ``gpu`` field, "mlx" with an ``mlx`` version, else "cpu"."""
+    commit and note; kind "gpu" with a ``gpu`` field, "mlx" with an ``mlx`` version, "serving" for a CPU demo
+    run (``demo`` rows), else "cpu"."""
     env = d.get("env", {})
-    kind = "gpu" if env.get("gpu") else "mlx" if env.get("mlx") else "cpu"
+    kind = "gpu" if env.get("gpu") else "mlx" if env.get("mlx") else "serving" if "demo" in d else "cpu"
     device = env.get("gpu") or env.get("machine") or env.get("cpu") or "device not recorded"
     return _record(path, env, kind, device, ("torch", "triton", "vllm", "sglang", "transformers", "mlx", "python"))
 
