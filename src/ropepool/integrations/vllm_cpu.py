@@ -64,7 +64,7 @@ from ..api import rope_latent_fused
 from ..errors import RopePoolError
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache, RopeSpec
-from .vllm import _table, rope_and_cache
+from .vllm import _table, layer_rope_and_cache
 
 log = logging.getLogger(__name__)
 # isa -> the cache layout of its cpu_attn_reshape_and_cache write (vllm.LAYOUTS), probed byte for byte against vLLM's
@@ -284,7 +284,8 @@ def take_pending(layer, key):
 
 def route_write(impl, layer, pending, vllm_norm, query, key, value, kv_cache, slots, vllm_write) -> None:
     """A layer's cache write: ``vllm_write`` (vLLM's own) where vLLM rotated, else the deferred norm, RoPE and write
-    by one ropepool call into the layout ``impl.ropepool_layout(layer)``; counted (``_count``)."""
+    by one ropepool call into the layout ``impl.ropepool_layout(layer)`` (its runner bound to ``impl`` after a first
+    checked call: ``layer_rope_and_cache``); counted (``_count``)."""
     n = slots.shape[0]
     if pending is None:
         vllm_write(layer, key, value, kv_cache, slots)
@@ -292,8 +293,8 @@ def route_write(impl, layer, pending, vllm_norm, query, key, value, kv_cache, sl
         return
     _, positions, table, is_neox, norms, _ = pending
     qk_norm = _qk_norm(impl, norms)
-    rope_and_cache(query, key, value, positions, table, is_neox, kv_cache, slots, layout=impl.ropepool_layout(layer),
-                   qk_norm=qk_norm, rope=_rope(table, is_neox))
+    layer_rope_and_cache(impl, query, key, value, positions, kv_cache, slots, layout=impl.ropepool_layout(layer),
+                         rope=_rope(table, is_neox), qk_norm=qk_norm)
     _count(layer.layer_name, "ropepool", query[:n], key, vllm_norm if qk_norm is None else "ropepool")
 
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, NamedTuple
 
 from .. import backends
 from ..checks import validate  # (the module: validate imports .stores, so this package may be half-made yet)
-from .cache import forget, indexer_key, latent_key, lookup, out_kind, pool_key, remember
+from .cache import entry, forget, indexer_key, latent_key, lookup, out_kind, pool_key, remember
 from .stores import DESTINATIONS, Stores, feature
 
 # Every feature a plan may name (a backend row's ``supports`` is a subset).
@@ -139,5 +139,5 @@ def make(call: validate.Call, q, backend: str | None = None, tuning: Tuning | No
     return Ready(plan, backends.pick(call.framework, q, backend, plan.features), tuning or DEFAULT_TUNING)
 
 
-__all__ = ["Plan", "build", "make", "Tuning", "Extras", "EXTRAS", "FEATURES", "forget", "lookup", "remember",
+__all__ = ["Plan", "build", "make", "Tuning", "Extras", "EXTRAS", "FEATURES", "forget", "lookup", "entry", "remember",
            "pool_key", "latent_key", "indexer_key", "out_kind"]

@@ -81,8 +81,22 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
     Scalars equal but of another type (``layer=True`` after ``layer=1``)
     are another key: they must be rejected by a full check.
     """
+    hit = entry(scalars, arrays)
+    if hit is not None:
+        run, values = hit
+        if values is not None:
+            validate.check_host_values(values, arrays[3], arrays[4])
+        return run
+    # MLX arrays with a torch call's scalars (one process running both)
+    return _lookup_mlx(scalars, arrays) if _SEEN_MLX else None
+
+
+def entry(scalars: tuple, arrays: tuple) -> tuple | None:
+    """``lookup``'s hit among torch calls before its value check: (runner, the ``Call`` whose slot and position
+    values each call must check with ``validate.check_host_values``, or None: no host values), or None. For a
+    caller that binds the runner and repeats the rest itself (integrations/vllm.py)."""
     if _compiling is None or _compiling() or not _SEEN:  # under torch.compile: traced in full, every time
-        return _lookup_mlx(scalars, arrays) if _SEEN_MLX else None
+        return None
     try:
         entries = _SEEN.get((scalars, tuple(map(type, scalars))))
     except TypeError:  # an unhashable argument (rope={...}): checked in full, and rejected there
@@ -103,11 +117,8 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
         for guard, run, values in entries:
             # The same memory for both pools is the one thing a layout cannot show.
             if guard.check(*tensors) and (not whole or k_pool.data_ptr() != v_pool.data_ptr()):
-                if values is not None:
-                    validate.check_host_values(values, positions, slots)
-                return run
-    # MLX arrays with a torch call's scalars (one process running both)
-    return _lookup_mlx(scalars, arrays) if _SEEN_MLX else None
+                return run, values
+    return None
 
 
 def remember(scalars: tuple, arrays: tuple, call: validate.Call, run: Callable) -> None:
