@@ -53,21 +53,27 @@ def prompts(n: int = len(PROMPT_LENGTHS)) -> list:
 # --- the engine's process --------------------------------------------------------------------------------
 
 class Meter:
-    """Counts and times ropepool's public calls and vLLM's engine steps in this process (the worker's)."""
+    """Counts and times ropepool's calls and vLLM's engine steps in this process (the worker's): the public
+    functions and the vLLM route's layer call (``layer_rope_and_cache``, whose later calls run a bound runner,
+    not ``rope_pool_fused``); a call inside a counted one (a layer's first, checked call) is not counted again."""
 
     def __init__(self):
         self.calls = 0
         self.seconds = 0.0
+        self.inside = False
         self.steps = []  # (seconds, ropepool calls, ropepool seconds, tokens scheduled, requests scheduled)
 
     def wrap_ropepool(self) -> int:
-        """Replace ropepool's public functions, wherever a ropepool module holds them, by timed ones.
+        """Replace those functions, wherever a ropepool module holds them, by timed ones.
         Returns how many names were replaced (the plugin has imported its modules by now)."""
         import ropepool.api as api
 
+        route = sys.modules.get("ropepool.integrations.vllm")  # imported by the plugin only: not imported here
         replaced = 0
-        for name in ("rope_pool_fused", "rope_latent_fused"):
-            original = getattr(api, name)
+        for owner, name in ((api, "rope_pool_fused"), (api, "rope_latent_fused"), (route, "layer_rope_and_cache")):
+            if owner is None:
+                continue
+            original = getattr(owner, name)
             timed = self._timed(original)
             for module in [m for k, m in sys.modules.items() if k == "ropepool" or k.startswith("ropepool.")]:
                 if getattr(module, name, None) is original:
@@ -77,12 +83,15 @@ class Meter:
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
-            t = time.perf_counter()
+            if self.inside:
+                return fn(*args, **kwargs)
+            self.inside, t = True, time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t
                 self.calls += 1
+                self.inside = False
         return timed
 
     def wrap_steps(self, core) -> None:
