@@ -47,6 +47,40 @@ def backend(request):
     return backend_for(request.param, big=request.node.get_closest_marker("big") is not None)
 
 
+def _for_triton(request) -> bool:
+    """Whether a test is generated for the Triton backend (a parameter ``"triton"``, or the ``backend``
+    fixture's)."""
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    return any(value == "triton" or getattr(value, "name", None) == "triton" for value in params.values())
+
+
+@pytest.fixture(autouse=True)
+def triton_cases_on_cuda(request, monkeypatch):
+    """On a machine with CUDA, a Triton case whose call gets CPU tensors fails: there the call would be
+    refused, or picked by the torch code instead, and the Triton kernel would not run at all."""
+    if not (HAS["torch"] and HAS["triton"] and _for_triton(request)):
+        yield
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    from ropepool import plan
+
+    make = plan.make
+
+    def make_on_cuda(call, q, *args, **kwargs):
+        device = getattr(q, "device", None)
+        if device is not None and device.type != "cuda":
+            pytest.fail(f"a Triton case called ropepool with tensors on {device}; this machine has CUDA: make "
+                        "the test's arrays on the backend's device (Backend.array, or .to(backend.device))")
+        return make(call, q, *args, **kwargs)
+
+    monkeypatch.setattr(plan, "make", make_on_cuda)
+    yield
+
+
 @pytest.fixture
 def rng(request):
     """A NumPy generator, a fresh seed each run (ROPEPOOL_SEED=<n> repeats one); a failing test reports it."""

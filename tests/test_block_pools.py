@@ -26,7 +26,7 @@ import pytest
 import ropepool
 from ropepool import reference
 from tests import quant_ports as port
-from tests.harness import NP_DTYPES, TOL, assert_same_bits, make_positions, make_slots, randn
+from tests.harness import NP_DTYPES, Backend, TOL, assert_same_bits, make_positions, make_slots, randn
 from tests.params import BACKENDS
 from tests.test_quant_formats import nvfp4_rows, pool_shape, random_bytes
 
@@ -47,18 +47,22 @@ def parts_of(fmt, rng, layout, dtype):
     return tuple(random_bytes(rng, pool_shape(kv_layout, page_size, layers, last), t) for last, t in specs)
 
 
-def to_fw(a, fw):
-    if fw == "mlx":
+def to_fw(a, backend):
+    """A NumPy array (bits kept) as one of ``backend``'s framework, on its device (torch: CUDA where the
+    Triton backend runs there)."""
+    if backend.framework == "mlx":
         return port.to_mx(a.view(np.uint8) if a.dtype == ml_dtypes.float8_e4m3fn else a)
     import torch
 
     if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    if a.dtype == ml_dtypes.float8_e4m3fn:
-        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
-    if a.dtype == np.uint32:
-        return torch.from_numpy(a.view(np.int32).copy()).view(torch.uint32)
-    return torch.from_numpy(a.copy())
+        x = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    elif a.dtype == ml_dtypes.float8_e4m3fn:
+        x = torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+    elif a.dtype == np.uint32:
+        x = torch.from_numpy(a.view(np.int32).copy()).view(torch.uint32)
+    else:
+        x = torch.from_numpy(a.copy())
+    return x.to(backend.device)
 
 
 def to_np(x, like):
@@ -68,7 +72,7 @@ def to_np(x, like):
     import torch
 
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[like.dtype.itemsize]
-    return x.view(width).numpy().view(like.dtype)
+    return x.view(width).cpu().numpy().view(like.dtype)
 
 
 def framework_of_np(x):
@@ -95,7 +99,6 @@ CASES = [(b, f, lay, dt) for b in BACKENDS for f in FORMATS for lay in LAYOUTS f
 @pytest.mark.parametrize("backend,fmt,layout,dtype", [pytest.param(*c, id="-".join(c)) for c in CASES],
                          indirect=["backend"])
 def test_block_pool_bytes(backend, fmt, layout, dtype):
-    fw = backend.framework
     if fmt == "nvfp4":
         pytest.importorskip("torch")  # the NVFP4 writer's port is torch
     if fmt != "nvfp4":
@@ -111,8 +114,8 @@ def test_block_pool_bytes(backend, fmt, layout, dtype):
     scales = {"k_scale": 0.25, "v_scale": 0.5} if fmt == "nvfp4" else {}
     kw = dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=H, kv_layout=kv_layout, layer=layer, **scales)
     q_rot, k_rot, kp, vp = ropepool.rope_pool_fused(
-        *(to_fw(a, fw) for a in (q, k, v, positions, slots)), tuple(to_fw(a, fw) for a in k0),
-        tuple(to_fw(a, fw) for a in v0), backend=backend.name, **kw)
+        *(to_fw(a, backend) for a in (q, k, v, positions, slots)), tuple(to_fw(a, backend) for a in k0),
+        tuple(to_fw(a, backend) for a in v0), backend=backend.name, **kw)
     assert isinstance(kp, tuple) and len(kp) == len(k0)
     k_rot = to_np(k_rot, k)
     ref = reference.rope_pool_fused(q, k, v, positions, slots, k0, v0, **kw)
@@ -136,7 +139,8 @@ def test_nvfp4_pools_the_same_with_an_fp8_k_out():
     q, k, v = (torch.from_numpy(randn(rng, 5, h, D, scale=3.0)).bfloat16() for h in (HQ, H, H))
     positions, slots = torch.arange(5), torch.tensor([3, -1, 0, 9, 12])
     kw = dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=H, k_scale=0.25, v_scale=0.5)
-    pools = [tuple(to_fw(a, "torch") for a in parts_of("nvfp4", np.random.default_rng(8), LAYOUTS["flat"], "bfloat16"))
+    cpu = Backend("torch", "cpu")
+    pools = [tuple(to_fw(a, cpu) for a in parts_of("nvfp4", np.random.default_rng(8), LAYOUTS["flat"], "bfloat16"))
              for _ in range(4)]
     ropepool.rope_pool_fused(q, k, v, positions, slots, pools[0], pools[1], **kw)
     k_out = torch.empty(5, H, D, dtype=torch.float8_e4m3fn)
@@ -178,7 +182,6 @@ def test_affine_group_sizes(backend, bits, group, dim, kv_layout):
     """Affine pools of each group size and a head_dim that is no power of two: every byte of both caches as
     ``mx.quantize`` of the returned k_rot and of v, scattered (5 tokens, two of them skipped)."""
     pytest.importorskip("mlx.core")
-    fw = backend.framework
     rng = np.random.default_rng(bits * 1000 + group + dim)
     T, page_size = 5, 1 if kv_layout is None else 4
     q, k, v = (randn(rng, T, h, dim, dtype="float16", scale=3.0) for h in (HQ, H, H))
@@ -186,8 +189,8 @@ def test_affine_group_sizes(backend, bits, group, dim, kv_layout):
     specs = ((dim * bits // 32, np.uint32), (dim // group, np.float16), (dim // group, np.float16))
     k0, v0 = ([random_bytes(rng, pool_shape(kv_layout, page_size, None, n), t) for n, t in specs] for _ in "kv")
     _, k_rot, kp, vp = ropepool.rope_pool_fused(
-        *(to_fw(a, fw) for a in (q, k, v, positions, slots)), tuple(to_fw(a, fw) for a in k0),
-        tuple(to_fw(a, fw) for a in v0), head_dim=dim, num_qo_heads=HQ, num_kv_heads=H, kv_layout=kv_layout,
+        *(to_fw(a, backend) for a in (q, k, v, positions, slots)), tuple(to_fw(a, backend) for a in k0),
+        tuple(to_fw(a, backend) for a in v0), head_dim=dim, num_qo_heads=HQ, num_kv_heads=H, kv_layout=kv_layout,
         backend=backend.name)
     for cache, got, start, rows in (("k", kp, k0, to_np(k_rot, k)), ("v", vp, v0, v)):
         want = [port.scatter(p, r, slots, kv_layout) for p, r in zip(start, port.mlx_affine_rows(rows, bits, group))]

@@ -155,22 +155,27 @@ def test_compile_block_pools(fmt, rng):
         assert not torch.equal(w_parts[0].view(torch.uint8), s_parts[0].view(torch.uint8)), "rows were written"
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "indexer", "indexer_ue8m0"])
+@pytest.mark.parametrize("fmt", ["latent", "fp8_ds_mla", "indexer", "indexer_ue8m0"])
 def test_compile_dsa_caches(fmt, rng):
-    """DeepSeek V3.2's caches (fp8_ds_mla rows, the indexer's keys with either scale format) under
-    torch.compile(fullgraph=True): compiled == eager on every output and the whole uint8 cache, bit for bit
-    (the same random bytes to start with, so rows never written are checked too), and rows were written."""
+    """The latent cache (vLLM's combined bf16 row as two views) and DeepSeek V3.2's caches (fp8_ds_mla rows, the
+    indexer's keys with either scale format) under torch.compile(fullgraph=True): compiled == eager on every
+    output and the whole cache, bit for bit (the same random bytes to start with, so rows never written are
+    checked too), and rows were written. (torch 2.11's dynamo failed on all but the first: plan/stores.py.)"""
     from tests.test_dsa_bytes import scaled_rows
     from tests.test_dsa_ops import INDEXER_ROPE, MLA_ROPE
 
     T, P = 7, 24
     positions, slots = (torch.from_numpy(a) for a in (make_positions(rng, T, 8192), make_slots(rng, T, P)))
-    if fmt == "fp8_ds_mla":
+    if fmt in ("latent", "fp8_ds_mla"):
         arrays = [torch.from_numpy(randn(rng, T, 3, 64)).bfloat16(), torch.from_numpy(randn(rng, T, 64)).bfloat16(),
                   torch.from_numpy(scaled_rows(rng, T, 512, "float32")).bfloat16()]
-        width = 656
+        width = 656 if fmt == "fp8_ds_mla" else 576 * 2  # the latent row: 512 + 64 bf16 features, as bytes
 
         def step(q_pe, k_pe, kv_c, pos, slots, cache):
+            if fmt == "latent":
+                row = cache.view(torch.bfloat16)
+                return ropepool.rope_latent_fused(q_pe, k_pe, kv_c, pos, slots, row[..., :512], row[..., 512:],
+                                                  rope=MLA_ROPE, kv_layout="NHD")[:2]
             return ropepool.rope_latent_fused(q_pe, k_pe, kv_c, pos, slots, cache, None, rope=MLA_ROPE,
                                               kv_layout="NHD", cache_format="fp8_ds_mla")[:2]
     else:

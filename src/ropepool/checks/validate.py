@@ -213,8 +213,8 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
                        ckv_cache, layer, kv_layout, 1, rope_dim, kv_lora_rank, fw, headed=False)
     fp8 = None if ds_mla else check_pool_dtypes(("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, dt, fw)
     (scale,) = check_pool_scales(("scale",), (scale,), fp8, kpe_cache, q_pe, None)
-    stores = Stores(PLAIN, Store("fp8_ds_mla", "float8_e4m3fn", QMAX["float8_e4m3fn"])) if ds_mla else \
-        Stores(_store(fp8, scale), _store(fp8, scale))
+    stores = Stores(PLAIN, Store("fp8_ds_mla", "float8_e4m3fn", QMAX["float8_e4m3fn"]), PLAIN, PLAIN) if ds_mla \
+        else Stores(_store(fp8, scale), _store(fp8, scale), PLAIN, PLAIN)
     if fw == "torch":
         check_strides(q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, positions=positions, slots=slots, ckv_cache=ckv_cache,
                       kpe_cache=kpe_cache)
@@ -266,7 +266,7 @@ def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quan
     key = Store("indexer_ue8m0" if scale_fmt == "ue8m0" else "indexer", "float8_e4m3fn", QMAX["float8_e4m3fn"])
     call = Call(framework=fw, dtype=dt, num_qo_heads=heads, num_kv_heads=1, head_dim=D, v_head_dim=D, pool=pool,
                 pool_dtype="uint8", rotation=rotation, position_rows=rows, norm=None,
-                stores=Stores(key, Store("none")), host_values=_host_values(fw, positions), latent=True,
+                stores=Stores(key, Store("none"), PLAIN, PLAIN), host_values=_host_values(fw, positions), latent=True,
                 autograd=_autograd(fw, q, k), traced=tracing(fw))
     if call.host_values:
         check_host_values(call, positions, slots)

@@ -91,12 +91,14 @@ PLAIN = Store()
 
 
 class Stores(NamedTuple):
-    """The four destinations, in ``DESTINATIONS`` order."""
+    """The four destinations, in ``DESTINATIONS`` order. No defaults: torch 2.11's dynamo fills a
+    NamedTuple's missing fields from its defaults without a source, and cannot build a Store that way
+    ("Unexpected type in sourceless builder"), so every field is passed (``PLAIN``, a module global, traces)."""
 
-    k_pool: Store = PLAIN
-    v_pool: Store = PLAIN
-    q_out: Store = PLAIN
-    k_out: Store = PLAIN
+    k_pool: Store
+    v_pool: Store
+    q_out: Store
+    k_out: Store
 
 
 def feature(destination: str, store: Store) -> str | None:
