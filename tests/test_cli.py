@@ -117,3 +117,25 @@ def test_vllm_demo_install_line_is_the_readmes():
     from ropepool.cli.demo_vllm import INSTALL
 
     assert INSTALL in (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+
+
+@pytest.mark.skipif(not have("torch", "rich", "transformers"), reason="needs torch, transformers and rich")
+def test_demo_at_a_geometry_writes_its_record(monkeypatch, tmp_path):
+    """``ropepool demo --geometry`` (run on a GPU at Llama-3-8B's widths) here with the geometry's widths made
+    tiny: float32 tokens identical, and the record names the geometry, the prompts and every run."""
+    import json
+
+    from ropepool.cli import demo, demo_scale
+
+    cls, widths = demo_scale.GEOMETRIES["llama3-8b"]
+    tiny = {**widths, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16}
+    monkeypatch.setitem(demo_scale.GEOMETRIES, "llama3-8b", (cls, tiny))
+    out = tmp_path / "run.json"
+    assert demo.main(["--geometry", "llama3-8b", "--layers", "2", "--requests", "3", "--new-tokens", "4",
+                      "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["env"]["geometry"] == "llama3-8b" and rec["env"]["layers"] == 2 and len(rec["env"]["prompts"]) == 3
+    (row,) = rec["demo"]
+    assert row["family"] == "llama3-8b" and row["requests"] == 3 and row["tokens"] == 12 and row["identical"]
+    assert len(row["plain_s"]) == len(row["fused_s"]) == 1

@@ -28,6 +28,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from . import demo_scale
+from .demo_scale import GEOMETRIES
+
 # Tiny configs: GQA (4 query heads, 2 KV heads), windows shorter than the prompts so the sliding-window
 # ring buffer wraps, and a wide weight init so a wrong rotation shows in the tokens and log-probabilities.
 _COMMON = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -200,14 +203,15 @@ class Comparison:
 
 
 def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prompt_lengths=PROMPT_LENGTHS,
-            repeats: int = 5, advance=lambda: None) -> Comparison:
+            repeats: int = 5, advance=lambda: None, model=None, config=None) -> Comparison:
     """One family through transformers' batching as shipped and through ropepool, in turn: one untimed run
     of each (it fills caches and starts the compiles the CPU path runs in the background, which are waited
-    for), then ``repeats`` timed runs of each, interleaved, on the same model and prompts."""
+    for), then ``repeats`` timed runs of each, interleaved, on the same model and prompts. ``model``,
+    ``config``: another model than the family's small one (demo_scale.py), its batching config."""
     from ..backends import torch_cpu_compiled
     from ..integrations import transformers as rp
 
-    model = build_model(family, dtype=dtype, device=device)
+    model = model if model is not None else build_model(family, dtype=dtype, device=device)
     CPU_TIME[0] = model.device.type == "cpu"
     prompts = make_prompts(model.config.vocab_size, prompt_lengths)
     # transformers' manager runs gc.collect() twice when it stops: over the heap of torch and transformers
@@ -215,10 +219,10 @@ def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prom
     gc.freeze()
     plain, fused = [], []
     for i in range(repeats + 1):
-        plain.append(run_batch(model, prompts, new_tokens, advance=advance))
+        plain.append(run_batch(model, prompts, new_tokens, config, advance))
         rp.enable(model)
         try:
-            fused.append(run_batch(model, prompts, new_tokens, advance=advance))
+            fused.append(run_batch(model, prompts, new_tokens, config, advance))
         finally:
             rp.disable(model)
         if i == 0:
@@ -242,8 +246,8 @@ WHY_SLOWER = {
            "transformers' eager norm, RoPE and cache write that it replaces, small ops too, each a few "
            "microseconds within a step whatever its size (benchmarks/serving_layers.py measures the difference "
            "per layer and step); the fused call pays off where the rows are many or on a GPU",
-    "cuda": "on a GPU these tiny models' steps are launch-bound: one Triton launch replaces a few small "
-            "kernels, a few microseconds per layer",
+    "cuda": "on a GPU a step of few tokens is host-bound (the tiny models' steps always are): the layer's "
+            "time is its Python and launches, and one ropepool call replaces a few small kernels there",
 }
 
 
@@ -277,8 +281,9 @@ def losses(results: list, device: str) -> str | None:
     return f"ropepool serves slower on {device} for {', '.join(slower)}" + (f": {why}." if why else ".")
 
 
-def record(results: list, device: str, note: str | None) -> dict:
-    """The demo's record (docs/bench/): versions, device, date, commit and every run's seconds."""
+def record(results: list, device: str, note: str | None, setup: dict | None = None) -> dict:
+    """The demo's record (docs/bench/): versions, device, date, commit and every run's seconds (``setup``: the
+    prompts and batching of a run at another geometry, demo_scale.py)."""
     import importlib.metadata as md
     import platform
     import subprocess
@@ -291,7 +296,7 @@ def record(results: list, device: str, note: str | None) -> dict:
     env = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "device": str(device),
            "torch": torch.__version__, "transformers": md.version("transformers"), "ropepool": __version__,
            "threads": torch.get_num_threads(),
-           "prompts": list(PROMPT_LENGTHS), "max_batch_tokens": MAX_BATCH_TOKENS}
+           "prompts": list(PROMPT_LENGTHS), "max_batch_tokens": MAX_BATCH_TOKENS, **(setup or {})}
     if str(device).startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(device)
     else:
@@ -323,6 +328,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=count, default=5,
                    help="timed runs of each path, interleaved, after an untimed one; tokens/s is their median, "
                         "with the min-max (default 5)")
+    p.add_argument("--geometry", choices=tuple(GEOMETRIES), default=None,
+                   help="instead of the small models: a Llama of this model's widths with --layers layers and "
+                        "random weights (for a GPU; demo_scale.py)")
+    p.add_argument("--layers", type=count, default=4, help="layers of the --geometry model (default 4)")
+    p.add_argument("--requests", type=count, default=8, help="requests of the --geometry run (default 8)")
     p.add_argument("--out", default=None, help="also write the runs as a record to OUT.json")
     p.add_argument("--note", default=None, help="a note stored in the record (where and how it was measured)")
     a = p.parse_args(argv)
@@ -334,14 +344,21 @@ def main(argv=None) -> int:
     # (a failed request's traceback) still show.
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     console = Console(width=None if sys.stdout.isatty() else 120)  # piped (CI logs): wide enough for the table
-    results = []
+    results, lengths, scaled, setup = [], PROMPT_LENGTHS, {}, None
+    if a.geometry:
+        lengths = demo_scale.prompt_lengths(a.requests)
+        scaled = dict(model=demo_scale.build(a.geometry, layers=a.layers, dtype=getattr(torch, a.dtype),
+                                             device=device),
+                      config=demo_scale.batching(a.requests, lengths, a.new_tokens, demo_scale.MAX_BATCH_TOKENS))
+        setup = {"geometry": a.geometry, "layers": a.layers, "prompts": lengths, "new_tokens": a.new_tokens,
+                 "max_batch_tokens": demo_scale.MAX_BATCH_TOKENS}
     try:
         with Progress(console=console, transient=False) as progress:
-            for family in a.families:
-                task = progress.add_task(f"{family}: requests", total=2 * (a.repeats + 1) * len(PROMPT_LENGTHS))
+            for family in [a.geometry] if a.geometry else a.families:
+                task = progress.add_task(f"{family}: requests", total=2 * (a.repeats + 1) * len(lengths))
                 results.append(compare(family, device=device, dtype=getattr(torch, a.dtype),
-                                       new_tokens=a.new_tokens, repeats=a.repeats,
-                                       advance=lambda task=task: progress.advance(task)))
+                                       new_tokens=a.new_tokens, repeats=a.repeats, prompt_lengths=lengths,
+                                       advance=lambda task=task: progress.advance(task), **scaled))
     finally:
         gc.unfreeze()  # let the interpreter free it all at exit
     console.print(render(results, device))
@@ -357,7 +374,7 @@ def main(argv=None) -> int:
 
         path = a.out if a.out.endswith(".json") else a.out + ".json"
         with open(path, "w") as f:
-            json.dump(record(results, device, a.note), f, indent=1)
+            json.dump(record(results, device, a.note, setup), f, indent=1)
         console.print(f"wrote {path}")
     failed = [c.family for c in results if not c.ok]
     if failed:
