@@ -49,9 +49,10 @@ def parts_of_a_call(T, args, kw):
     q, k = args[:2]
     ropepool.rope_pool_fused(*args, **kw)
     arrays = (*args, None, None)
-    scalars = (kw["head_dim"], kw["num_qo_heads"], kw["num_kv_heads"], kw["rope_base"], *(None,) * 11,
-               True, True)  # api.rope_pool_fused's order
-    print("layout cache:", "on" if plan.lookup(scalars, arrays) is not None else "OFF (no TensorGuards in this torch)")
+    # api.rope_pool_fused's key (plan.pool_key's arguments: the keywords in the signature's order, then q, k)
+    scalars = plan.pool_key(kw["head_dim"], kw["num_qo_heads"], kw["num_kv_heads"], kw["rope_base"], *(None,) * 13,
+                            q, k)
+    print("layout cache:", "hit" if plan.lookup(scalars, arrays) is not None else "MISSED (every call checked in full)")
     launch = plan.make(validate.check(*args, **kw), q, "triton").bind(*args)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     contiguous = torch.contiguous_format

@@ -5,8 +5,10 @@ it, negative, huge; MRoPE rows too), straight into the kernel: the public
 call on CUDA reads no values, so nothing checks them. Every pool layout
 (flat, paged NHD / HND, layer-stacked), fp8 pools with fp8 q/k outputs
 and the fused QK-norm, MLA's latent caches, per-token-head scale caches
-(int8 and fp8), each pool or output a view inside a larger buffer whose
-other bytes are canaries. The sanitizer
+(int8 and fp8), the block-quantized pools (NVFP4, the 4/8-bit affine
+format), DeepSeek V3.2's fp8_ds_mla and indexer caches, vLLM's tiled AMX
+layout, each pool or output a view inside a larger buffer whose other bytes
+are canaries. The sanitizer
 must report no invalid access; the canaries must be intact; no token whose
 slot or position is bad may write.
 """
@@ -110,6 +112,64 @@ def per_token_head_case(positions, dtype):
     print(f"per-token-head {dtype} pools and scale caches: no write outside them")
 
 
+def block_case(fmt, kv_layout, positions):
+    """Block-quantized pools, each array of each tuple in its own canaried buffer: NVFP4 ``(data, scales)`` or
+    the affine ``(words, scales, biases)`` of ``bits`` (4 or 8) with groups of 64."""
+    q, k, v = (torch.randn(T, h, D, device=DEV, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    lead = {None: (P,), "NHD": (P // 16, 16), "HND": (P // 16, Hkv, 16)}[kv_layout]
+    where = (lambda n: lead + (Hkv, n)) if kv_layout != "HND" else (lambda n: lead + (n,))
+    if fmt == "nvfp4":
+        parts, kw = ((D // 2, torch.uint8), (D // 16, torch.float8_e4m3fn)), dict(k_scale=0.25, v_scale=0.5)
+    else:
+        bits = int(fmt[-1])
+        parts, kw = ((D * bits // 32, torch.uint32), (D // 64, torch.bfloat16), (D // 64, torch.bfloat16)), {}
+    made = [[in_canaries(where(n), dt) for n, dt in parts] for _ in "kv"]
+    bigs = [big for cache in made for _, big in cache]
+    before = [b.clone() for b in bigs]
+    ropepool.rope_pool_fused(q, k, v, positions, repeat(BAD_SLOTS, T), tuple(x for x, _ in made[0]),
+                             tuple(x for x, _ in made[1]), head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv,
+                             kv_layout=kv_layout, **kw)
+    torch.cuda.synchronize()
+    for i, (big, b) in enumerate(zip(bigs, before)):
+        check_canaries(f"{fmt} {kv_layout or 'flat'} array {i}", big, b)
+    print(f"{fmt} pools, layout {kv_layout or 'flat'}: no write outside them")
+
+
+def dsa_case(fmt, positions):
+    """DeepSeek V3.2's caches (NHD pages of 16): fp8_ds_mla's 656-byte rows, the indexer's keys (both scale
+    formats)."""
+    if fmt == "fp8_ds_mla":
+        q_pe = torch.randn(T, 16, 64, device=DEV, dtype=torch.bfloat16)
+        k_pe, kv_c = torch.randn(T, 64, device=DEV).bfloat16(), torch.randn(T, 512, device=DEV).bfloat16()
+        cache, big = in_canaries((P // 16, 16, 656), torch.uint8)
+        before = big.clone()
+        ropepool.rope_latent_fused(q_pe, k_pe, kv_c, positions, repeat(BAD_SLOTS, T), cache, None,
+                                   rope=RopeSpec(head_dim=64, style="gptj"), kv_layout="NHD", cache_format=fmt)
+    else:
+        q, k = torch.randn(T, 4, 128, device=DEV, dtype=torch.bfloat16), torch.randn(T, 128, device=DEV).bfloat16()
+        cache, big = in_canaries((P // 16, 16, 132), torch.uint8)
+        before = big.clone()
+        ropepool.rope_indexer_fused(q, k, positions, repeat(BAD_SLOTS, T), cache,
+                                    rope=RopeSpec(head_dim=128, rotary_dim=64), kv_layout="NHD",
+                                    scale_fmt="ue8m0" if fmt == "indexer_ue8m0" else None)
+    torch.cuda.synchronize()
+    check_canaries(fmt, big, before)
+    print(f"{fmt} cache: no write outside it")
+
+
+def amx_case(dtype, positions):
+    """vLLM's CPU AMX-tiled cache layout (kv_layout="amx", the HND shape; taken by the kernel on CUDA too)."""
+    q, k, v = (torch.randn(T, h, D, device=DEV, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    (k_pool, k_big), (v_pool, v_big) = (in_canaries((P // 16, Hkv, 16, D), dtype) for _ in range(2))
+    before = (k_big.clone(), v_big.clone())
+    ropepool.rope_pool_fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D, num_qo_heads=Hq,
+                             num_kv_heads=Hkv, kv_layout="amx")
+    torch.cuda.synchronize()
+    check_canaries(f"amx {dtype} k", k_big, before[0])
+    check_canaries(f"amx {dtype} v", v_big, before[1])
+    print(f"amx-tiled {dtype} pools: no write outside them")
+
+
 def table_positions_never_write():
     """Positions outside the table write nothing, whatever their slot: a flat pool, all slots good."""
     q, k, v = (torch.randn(T, h, D, device=DEV, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
@@ -139,6 +199,13 @@ def main():
     fp8_norm_case(CosSinCache(table(D)), bad_pos)
     for dtype in (torch.int8, torch.float8_e4m3fn):
         per_token_head_case(pos, dtype)
+    for fmt in ("nvfp4", "affine4", "affine8"):
+        for kv_layout in (None, "NHD", "HND"):
+            block_case(fmt, kv_layout, pos)
+    for fmt in ("fp8_ds_mla", "indexer", "indexer_ue8m0"):
+        dsa_case(fmt, pos)
+    for dtype in (torch.bfloat16, torch.float32):
+        amx_case(dtype, pos)
     table_positions_never_write()
     print("memcheck driver done")
 
