@@ -477,13 +477,21 @@ def torch_call():
     pytest.param(change(backend="triton"), id="backend"),
     pytest.param(change(positions=lambda a, X: a["positions"][:3]), id="fewer-positions"),
 ])
-def test_cache_hits_only_the_same_layout(make_other):
-    """A checked call is cached; a call that differs in any checked property is not served from it."""
+@pytest.mark.parametrize("guard", ["TensorGuards", "LayoutGuard"])
+def test_cache_hits_only_the_same_layout(make_other, guard, monkeypatch):
+    """A checked call is cached; a call that differs in any checked property is not served from it. With
+    dynamo's TensorGuards, and with the Python check a torch without it gets."""
+    from ropepool.plan import cache
+
+    if guard == "LayoutGuard":
+        monkeypatch.setattr(cache, "_tensor_guards", lambda: None)
     X = Backend("torch", "cpu")
     plan.forget()  # no layout another test left behind
     args = torch_call()
     call(args)
-    assert cached(args) is not None, "the layout cache is off: is TensorGuards missing from this torch?"
+    entries = [e for entries in cache._SEEN.values() for e in entries]
+    assert [type(e[0]).__name__ for e in entries] == [guard]
+    assert cached(args) is not None, "the layout cache is off"
     assert cached(dict(args, q=args["q"].clone(), k_pool=args["k_pool"].clone(), v_pool=args["v_pool"].clone()))
     make_other(args, X)
     assert cached(args) is None

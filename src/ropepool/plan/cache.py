@@ -4,8 +4,8 @@ On CUDA the host time of a decode step is mostly Python, so calls on torch
 tensors are remembered: ``lookup`` finds the runner of an earlier call with
 the same scalar arguments whose tensors have the same type, dtype, device,
 sizes (except the token count) and strides, compared in one C++ call
-(dynamo's ``TensorGuards``). Without TensorGuards every call is checked in
-full. Nothing here imports torch unless the call's arrays are torch tensors.
+(dynamo's ``TensorGuards``; where a torch has none, the same facts as one
+tuple compared in Python, ``LayoutGuard``). Nothing here imports torch unless the call's arrays are torch tensors.
 
 Bounds (both layout caches): at most ``_MAX_KEYS`` keys of scalar arguments,
 each with at most 8 torch layouts, and at most ``_MAX_BYTES`` of the small
@@ -138,8 +138,6 @@ def remember(scalars: tuple, arrays: tuple, call: validate.Call, run: Callable) 
     if any(type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type == "meta" for x in tensors):
         return
     guard = _tensor_guard(tensors, arrays[3].ndim == 2)
-    if guard is None:
-        return
     try:
         key = (scalars, tuple(map(type, scalars)))
         entries = _SEEN.get(key)
@@ -249,13 +247,21 @@ def forget() -> None:
     _held[0] = 0
 
 
-def _tensor_guard(tensors, mrope_positions: bool):
-    """A C++ check of the tensors' type, dtype, device, sizes but the token count, and strides; None if
-    this torch has no TensorGuards (calls are then checked in full every time)."""
+def _tensor_guards():
+    """dynamo's ``TensorGuards`` (a private torch API: a C++ check of many tensors at once), or None."""
     try:
         from torch._C._dynamo.guards import TensorGuards
-    except Exception:  # a private API: its absence only turns the cache off
+    except Exception:
         return None
+    return TensorGuards
+
+
+def _tensor_guard(tensors, mrope_positions: bool):
+    """A check of the tensors' type, dtype, device, requires_grad, sizes but the token count, and strides:
+    TensorGuards' C++ check where this torch has it, else the same facts compared in Python (``LayoutGuard``)."""
+    guards = _tensor_guards()
+    if guards is None:
+        return LayoutGuard(tensors, mrope_positions)
     sizes, strides = [], []
     for i, x in enumerate(tensors):
         size, stride = list(x.shape), list(x.stride())
@@ -268,6 +274,30 @@ def _tensor_guard(tensors, mrope_positions: bool):
         sizes.append(size)
         strides.append(stride)
     try:
-        return TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
-    except Exception:
-        return None
+        return guards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+    except Exception:  # another signature in another torch
+        return LayoutGuard(tensors, mrope_positions)
+
+
+class LayoutGuard:
+    """What TensorGuards checks, as one tuple compared in Python (a few microseconds more a call than the C++
+    check): for torches without it, or whose TensorGuards takes other arguments."""
+
+    __slots__ = ("layout", "mrope")
+
+    def __init__(self, tensors, mrope_positions: bool):
+        self.mrope = mrope_positions
+        self.layout = self.of(tensors)
+
+    def of(self, tensors) -> tuple:
+        """Per tensor: type, dtype, device, requires_grad, sizes but the token dim, strides (the row stride of
+        [3, T] MRoPE positions left out: it is T)."""
+        q, k, v, positions, slots, k_pool, v_pool, *outs = tensors
+        return (tuple((type(x), x.dtype, x.device, x.requires_grad, x.shape[1:], x.stride())
+                      for x in (q, k, v, slots, *outs)),
+                (type(positions), positions.dtype, positions.device, positions.requires_grad, positions.shape[:-1],
+                 positions.stride()[1:] if self.mrope else positions.stride()),
+                tuple((type(x), x.dtype, x.device, x.requires_grad, x.shape, x.stride()) for x in (k_pool, v_pool)))
+
+    def check(self, *tensors) -> bool:
+        return len(tensors) == len(self.layout[0]) + 3 and self.of(tensors) == self.layout
