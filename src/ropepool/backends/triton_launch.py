@@ -23,6 +23,9 @@ _KERNELS: dict = {}  # (constexpr values, warps, ...) -> compiled kernel, shared
 MAX_ENTRIES = 1024
 
 _stream_of = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+# Read on every eager call: looked up once (a profiler sets its hooks on this object, not a new one).
+_RUNTIME = triton.knobs.runtime if hasattr(triton, "knobs") else None
+_empty_like, _CONTIGUOUS = torch.empty_like, torch.contiguous_format
 
 
 class Launch:
@@ -61,20 +64,21 @@ class Launch:
                  extras=None):
         """One call; returns q_out, k_out (new, contiguous, where not given) and the pools. Eager calls
         give neither ``use_long`` nor ``extras`` (the adopted ones are used); the custom op gives both."""
-        # empty_like is the cheapest allocation on the host (no size argument to parse).
+        # empty_like is the cheapest allocation on the host (no size argument to parse; two views of one
+        # allocation cost more than two allocations).
         if q_out is None:
-            q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            q_out = _empty_like(q, memory_format=_CONTIGUOUS)
         if k_out is None:
-            k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+            k_out = _empty_like(k, memory_format=_CONTIGUOUS)
         T = q.shape[0]
         large = T > self.small_tokens  # the variant: 0 (decode-sized) or 1
+        k_off, v_off = self.offsets
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                k_pool.data_ptr() + self.offsets[0], v_pool.data_ptr() + self.offsets[1], q_out.data_ptr(),
-                k_out.data_ptr())
+                k_pool.data_ptr() + k_off, v_pool.data_ptr() + v_off, q_out.data_ptr(), k_out.data_ptr())
         direct = self.direct[large]
         # Triton specialises on which pointers are 16-byte aligned: almost always all are.
         if direct is not None and not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7]
-                                       | ptrs[8]) % 16 and not _hooked(triton.knobs.runtime):
+                                       | ptrs[8]) % 16 and not _hooked(_RUNTIME):
             # The whole launch of a decode step: nothing is looked up but the stream.
             launch, split, lead, tail = direct
             launch(T, split, 1, _stream_of(q.get_device()), *lead, *ptrs, *tail)

@@ -110,7 +110,7 @@ def entry(scalars: tuple, arrays: tuple) -> tuple | None:
         try:
             T = q.shape[0]
             if not (k.shape[0] == slots.shape[0] == positions.shape[-1] == T) or (v is not None and v.shape[0] != T) \
-                    or any(x.shape[0] != T for x in (q_out, k_out) if x is not None):
+                    or (q_out is not None and q_out.shape[0] != T) or (k_out is not None and k_out.shape[0] != T):
                 return None
         except (AttributeError, IndexError, TypeError):  # not arrays: a full check says what is wrong
             return None
