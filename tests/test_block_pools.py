@@ -26,7 +26,7 @@ import pytest
 import ropepool
 from ropepool import reference
 from tests import quant_ports as port
-from tests.harness import NP_DTYPES, Backend, TOL, assert_same_bits, make_positions, make_slots, randn
+from tests.harness import NP_DTYPES, TOL, Backend, assert_same_bits, make_positions, make_slots, randn
 from tests.params import BACKENDS
 from tests.test_quant_formats import nvfp4_rows, pool_shape, random_bytes
 
