@@ -121,25 +121,35 @@ def _fmt(values) -> str:
 
 @block("demo-table")
 def demo_table(recs: Records, device: str = "cpu") -> str:
+    """The newest demo record of each dtype (and request count: a GPU run at a model's widths, demo_scale.py)."""
     newest = {}
     for rec, d in recs.others("*-demo-*.json"):
         if str(d["env"].get("device", "")).split(":")[0] == device and d.get("demo"):
-            newest[d["demo"][0]["dtype"]] = (rec, d)  # oldest first: the last one wins
+            newest[(d["demo"][0]["dtype"], d["demo"][0]["requests"])] = (rec, d)  # oldest first: the last wins
     if not newest:
         raise KeyError(f"demo-table: no demo record on {device} under docs/bench/")
     cpu = device == "cpu"
+    envs = [d["env"] for _, d in newest.values()]
     lines = ["| model | dtype | transformers tok/s | through ropepool | ropepool / transformers | tokens |",
              "| --- | --- | ---: | ---: | ---: | --- |"]
-    for dtype in sorted(newest):
-        for row in newest[dtype][1]["demo"]:
+    if not cpu:
+        lines = [line.replace("| dtype |", "| dtype | requests |").replace("| --- | --- |", "| --- | --- | ---: |", 1)
+                 for line in lines]
+    for key in sorted(newest):
+        for row in newest[key][1]["demo"]:
             plain, fused = _tok_s(row, "plain", cpu), _tok_s(row, "fused", cpu)
             ratio = statistics.median(fused) / statistics.median(plain)
             match = "identical" if row["identical"] else "diverge at a near-tie" if row["ok"] else "MISMATCH"
-            lines.append(f"| {row['family']} | {dtype} | {_fmt(plain)} | {_fmt(fused)} | {ratio:.2f}x | {match} |")
+            model = row["family"] if cpu else f"{row['family']}, {newest[key][1]['env'].get('layers', '?')} layers"
+            count = "" if cpu else f" {row['requests']} |"
+            lines.append(f"| {model} | {key[0]} |{count} {_fmt(plain)} | {_fmt(fused)} | {ratio:.2f}x | {match} |")
     runs = len(next(iter(newest.values()))[1]["demo"][0]["plain_s"])
     clock = "process CPU time" if cpu else "wall time"
+    requests = sorted({len(e.get("prompts", ())) for e in envs})
+    new_tokens = sorted({e.get("new_tokens", 16) for e in envs})
     return (f"Tokens/s of {clock}, median (min-max) of {runs} interleaved runs of each path after an untimed "
-            "one; 8 requests x 16 new tokens a model:\n\n" + "\n".join(lines) + "\n\n"
+            f"one; {' or '.join(map(str, requests))} requests x {' or '.join(map(str, new_tokens))} new tokens"
+            f"{' a model' if cpu else ''}:\n\n" + "\n".join(lines) + "\n\n"
             + sources(rec for rec, _ in newest.values()))
 
 
