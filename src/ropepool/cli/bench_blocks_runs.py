@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 
 from ropepool.cli.bench_records import Records
-from ropepool.cli.bench_summary import block, fmt_num, sources
+from ropepool.cli.bench_summary import block, fmt_num, sources, span
 
 _MODES = {"graph": 0, "eager": 1}
 
@@ -119,24 +119,37 @@ def _fmt(values) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
+def demo_rows(recs: Records, device: str = "cpu") -> dict:
+    """{dtype: (record, its rows of that dtype)}: the newest demo record of each dtype on ``device`` (a record
+    of ``ropepool demo`` holds each dtype it ran, by default float32 and bfloat16)."""
+    newest = {}
+    for rec, d in recs.others("*-demo-*.json"):  # oldest first: the last one wins
+        if str(d["env"].get("device", "")).split(":")[0] == device:
+            for dtype in {r["dtype"] for r in d.get("demo", [])}:
+                newest[dtype] = (rec, [r for r in d["demo"] if r["dtype"] == dtype])
+    return newest
+
+
+def demo_ratio(row: dict, cpu: bool) -> float:
+    """ropepool's median tokens/s over transformers' in one model's runs."""
+    return statistics.median(_tok_s(row, "fused", cpu)) / statistics.median(_tok_s(row, "plain", cpu))
+
+
 @block("demo-table")
 def demo_table(recs: Records, device: str = "cpu") -> str:
-    newest = {}
-    for rec, d in recs.others("*-demo-*.json"):
-        if str(d["env"].get("device", "")).split(":")[0] == device and d.get("demo"):
-            newest[d["demo"][0]["dtype"]] = (rec, d)  # oldest first: the last one wins
+    newest = demo_rows(recs, device)
     if not newest:
         raise KeyError(f"demo-table: no demo record on {device} under docs/bench/")
     cpu = device == "cpu"
     lines = ["| model | dtype | transformers tok/s | through ropepool | ropepool / transformers | tokens |",
              "| --- | --- | ---: | ---: | ---: | --- |"]
     for dtype in sorted(newest):
-        for row in newest[dtype][1]["demo"]:
+        for row in newest[dtype][1]:
             plain, fused = _tok_s(row, "plain", cpu), _tok_s(row, "fused", cpu)
-            ratio = statistics.median(fused) / statistics.median(plain)
             match = "identical" if row["identical"] else "diverge at a near-tie" if row["ok"] else "MISMATCH"
-            lines.append(f"| {row['family']} | {dtype} | {_fmt(plain)} | {_fmt(fused)} | {ratio:.2f}x | {match} |")
-    runs = len(next(iter(newest.values()))[1]["demo"][0]["plain_s"])
+            lines.append(f"| {row['family']} | {dtype} | {_fmt(plain)} | {_fmt(fused)} | {demo_ratio(row, cpu):.2f}x "
+                         f"| {match} |")
+    runs = len(next(iter(newest.values()))[1][0]["plain_s"])
     clock = "process CPU time" if cpu else "wall time"
     return (f"Tokens/s of {clock}, median (min-max) of {runs} interleaved runs of each path after an untimed "
             "one; 8 requests x 16 new tokens a model:\n\n" + "\n".join(lines) + "\n\n"
@@ -208,3 +221,48 @@ def _one_line(r: dict) -> str:
     return (f"{a['step_us_median']:,.0f} µs with the plugin loaded, {b['step_us_median']:,.0f} µs without "
             f"({a['step_us_median'] / b['step_us_median']:.3f}x), {a['ropepool_calls_per_layer_step']:.2f} ropepool "
             f"calls per layer and step, tokens {'identical' if r['tokens_match'] else 'DIFFERENT'}.")
+
+
+# --- the README's headline ---------------------------------------------------
+@block("headline")
+def headline(recs: Records) -> str:
+    """One line per machine and path, from the newest records: what the README shows before linking to
+    docs/benchmarks.md. Ratios are a peer's time over ropepool's (below 1.00x ropepool is the slower)."""
+    from ropepool.cli.bench_blocks import CPU_TOKENS, DTYPES, GPU, OPS, cpu_ratio, mlx_devices, mlx_ratios, row
+
+    x = lambda v: f"{v:.2f}"  # noqa: E731
+    lines = ["| machine | what | ropepool | beside it (a ratio below 1.00x: ropepool is the slower) |",
+             "| --- | --- | --- | --- |"]
+    used = set()
+    plain = row(recs, OPS[0])  # plain RoPE + KV write, Llama-3-8B heads
+    used |= plain.records
+    lines.append(f"| {GPU}, bfloat16 | one call, Llama-3-8B heads (32 q, 8 KV, 128) | {plain.small[0]} µs at "
+                 f"1 token (CUDA graph); {plain.pct[1]} of a device copy's bandwidth at 65,536 tokens | "
+                 f"{'; '.join(plain.peers[:1] + plain.peers[-2:])}: their time over ropepool's, over 1-65,536 "
+                 "tokens |")
+    for dtype in DTYPES:
+        rs = {t: cpu_ratio(recs, t, dtype) for t in CPU_TOKENS}
+        rs = {t: r for t, r in rs.items() if r}
+        used |= {rec for r in rs.values() for rec in r.records}
+        if rs:
+            lines.append(f"| CPU, 1 thread, {dtype} | one call, Llama-3-8B heads, 1-4,096 tokens | "
+                         f"1 token: eager PyTorch's time / ropepool's {rs[min(rs)].median:.2f}x | eager PyTorch "
+                         f"(transformers-style RoPE + `index_copy_`): {span([r.median for r in rs.values()], x)}x "
+                         "over 1-4,096 tokens |")
+    devices = mlx_devices(recs)
+    if devices:
+        rs = mlx_ratios(recs, devices[0])
+        used |= {rec for r in rs.values() for rec in r.records}
+        lines.append(f"| MLX CPU backend | one call, 1-4,096 tokens, bfloat16 and float32 | "
+                     f"{span([r.median for r in rs.values()], x)}x the time of the hand-written code | the "
+                     "hand-written code (`mx.fast.rope` + slice updates) |")
+    demo = demo_rows(recs, "cpu")
+    if demo:
+        ratios = [demo_ratio(r, True) for _, rows in demo.values() for r in rows]
+        same = all(r["identical"] for r in demo.get("float32", (None, []))[1])
+        used |= {rec for rec, _ in demo.values()}
+        lines.append(f"| CPU, `ropepool demo` | serving tiny models in transformers' continuous batching "
+                     f"({', '.join(sorted(demo))}) | float32 tokens {'identical' if same else 'NOT identical'} | "
+                     "transformers as shipped: ropepool's "
+                     f"tokens/s / its {span(ratios, x)}x |")
+    return "\n".join(lines) + "\n\n" + sources(used)
