@@ -60,3 +60,10 @@ def test_words_are_caught(text):
                                   "--rounds 3", "vllm-project/vllm#56081", "rounding mode", "a round trip"])
 def test_ordinary_words_pass(text):
     assert not hits(text), text
+
+
+def test_index_links_every_page():
+    """docs/README.md, the index, links every page of docs/ (a page nobody links is a page nobody reads)."""
+    index = (ROOT / "docs" / "README.md").read_text()
+    unlinked = [p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md" and f"]({p.name})" not in index]
+    assert not unlinked, unlinked
