@@ -150,3 +150,21 @@ def test_vllm_demo_install_line_is_the_readmes():
     from ropepool.cli.demo_vllm import INSTALL
 
     assert INSTALL in (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+
+
+@pytest.mark.skipif(not have("mlx", "mlx_lm"), reason="needs mlx-lm")
+def test_mlx_demo_compares_like_with_like(monkeypatch):
+    """mlx-lm decodes one prompt at a time, so the timed ropepool run beside it does too; the batched run is
+    timed apart (what batching adds), not compared with mlx-lm's."""
+    import mlx.core as mx
+
+    from ropepool.cli import demo_mlx
+    from ropepool.integrations import mlx_lm as rp
+
+    sizes, generate = [], rp.PooledModel.generate
+    monkeypatch.setattr(rp.PooledModel, "generate", lambda self, prompts, n: sizes.append(len(prompts)) or
+                        generate(self, prompts, n))
+    r = demo_mlx.run_family("llama", mx.float32, 2)
+    n = len(demo_mlx.PROMPT_LENGTHS)
+    assert sizes == [1] + [1] * n + [n], sizes  # untimed first call, one at a time (timed), all together (timed)
+    assert r["match"] and {"mlx_lm_tok_s", "ropepool_tok_s", "batched_tok_s"} <= set(r), r
