@@ -228,20 +228,24 @@ def _one_line(r: dict) -> str:
 def headline(recs: Records) -> str:
     """One line per machine and path, from the newest records: what the README shows before linking to
     docs/benchmarks.md. Ratios are a peer's time over ropepool's (below 1.00x ropepool is the slower)."""
-    from ropepool.cli.bench_blocks import CPU_TOKENS, DTYPES, GPU, OPS, cpu_ratio, mlx_devices, mlx_ratios, row
+    from ropepool.cli import bench_blocks as b  # the per-device figures (imported here: it registers its blocks)
 
     x = lambda v: f"{v:.2f}"  # noqa: E731
     lines = ["| machine | what | ropepool | beside it (a ratio below 1.00x: ropepool is the slower) |",
              "| --- | --- | --- | --- |"]
     used = set()
-    plain = row(recs, OPS[0])  # plain RoPE + KV write, Llama-3-8B heads
+    plain = b.row(recs, b.OPS[0])  # plain RoPE + KV write, Llama-3-8B heads
     used |= plain.records
-    lines.append(f"| {GPU}, bfloat16 | one call, Llama-3-8B heads (32 q, 8 KV, 128) | {plain.small[0]} µs at "
+    lines.append(f"| {b.GPU}, bfloat16 | one call, Llama-3-8B heads (32 q, 8 KV, 128) | {plain.small[0]} µs at "
                  f"1 token (CUDA graph); {plain.pct[1]} of a device copy's bandwidth at 65,536 tokens | "
                  f"{'; '.join(plain.peers[:1] + plain.peers[-2:])}: their time over ropepool's, over 1-65,536 "
                  "tokens |")
-    for dtype in DTYPES:
-        rs = {t: cpu_ratio(recs, t, dtype) for t in CPU_TOKENS}
+    host, host_used = b.host_cost(recs)
+    used |= host_used
+    lines.append(f"| {b.GPU} | the host cost of an eager call from Python, 1-256 tokens | {host} a bare Triton "
+                 "launch in the same process | a bare Triton launch |")
+    for dtype in b.DTYPES:
+        rs = {t: b.cpu_ratio(recs, t, dtype) for t in b.CPU_TOKENS}
         rs = {t: r for t, r in rs.items() if r}
         used |= {rec for r in rs.values() for rec in r.records}
         if rs:
@@ -249,9 +253,9 @@ def headline(recs: Records) -> str:
                          f"1 token: eager PyTorch's time / ropepool's {rs[min(rs)].median:.2f}x | eager PyTorch "
                          f"(transformers-style RoPE + `index_copy_`): {span([r.median for r in rs.values()], x)}x "
                          "over 1-4,096 tokens |")
-    devices = mlx_devices(recs)
+    devices = b.mlx_devices(recs)
     if devices:
-        rs = mlx_ratios(recs, devices[0])
+        rs = b.mlx_ratios(recs, devices[0])
         used |= {rec for r in rs.values() for rec in r.records}
         lines.append(f"| MLX CPU backend | one call, 1-4,096 tokens, bfloat16 and float32 | "
                      f"{span([r.median for r in rs.values()], x)}x the time of the hand-written code | the "
