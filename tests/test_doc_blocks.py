@@ -10,8 +10,8 @@ What a block needs is written in its first line, where a reader sees it:
   its imports and inputs are the ones shown there.
 
 Parts may share the first line, separated by ``;`` (``# needs CUDA; continues: step``). Anything else a
-block uses it imports itself: no setup is hidden from the reader. Blocks that import torch are skipped
-where torch is not installed (the MLX venv of the README's third line); every other block runs in the
+block uses it imports itself: no setup is hidden from the reader. A block whose imports are not installed
+is skipped (torch and transformers in the MLX venv of the README's third line); every block runs in the
 venv of the README's test line, and the MLX and NumPy ones in the MLX venv too.
 """
 from __future__ import annotations
@@ -102,8 +102,11 @@ def missing(block: Block) -> str | None:
         if name in needs and importlib.util.find_spec(module) is None:
             return f"needs {name}"
     code = "\n".join(b.code for b in chain(block))
-    if re.search(r"^\s*(import|from) torch\b|import torch\b", code, re.M) and importlib.util.find_spec("torch") is None:
-        return "torch is not installed (the MLX venv)"
+    imported = re.findall(r"^\s*(?:from|import) (\w+)", code, re.M) + \
+        re.findall(r"^\s*import \w+(?:\.\w+)*, (\w+)", code, re.M)  # import torch, ropepool
+    absent = sorted({m for m in imported if importlib.util.find_spec(m) is None})
+    if absent:  # torch or transformers in the MLX venv: the venv of the README's test line has them
+        return f"{', '.join(absent)} not installed here"
     return None
 
 
