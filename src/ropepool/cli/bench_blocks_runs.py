@@ -8,7 +8,8 @@ last column gives eager's time over the first provider's. ``DTYPE`` (bfloat16 by
 ``dtype=float32``. ``<!-- summary:host-table FILE -->`` prints a host-cost run (``host_rows``).
 ``<!-- summary:soak-table FILE -->`` prints a ``benchmarks/soak.py`` run: calls/s and resident memory at
 each tenth of it, then its start, middle and end. ``<!-- summary:test-memory FILE -->`` states a
-``benchmarks/suite_memory.py`` run: the test suite's peak resident memory.
+``benchmarks/suite_memory.py`` run: the test suite's peak resident memory. ``<!-- summary:readme-time -->``
+gives the README's command lines as ``benchmarks/readme_time.py`` timed them from a fresh clone.
 
 ``<!-- summary:demo-table DEVICE -->`` (transformers' continuous batching as shipped and through
 ropepool) prints, from the newest demo record of each dtype on that device
@@ -108,6 +109,29 @@ def suite_memory(recs: Records, file: str) -> str:
             f"its process group, child processes included ({m['group_processes_at_peak']} processes at the "
             f"peak, sampled every 0.25 s); it ran {m['wall_s'] / 60:.1f} minutes ({m['pytest']}).\n\n"
             + sources([rec]))
+
+
+_LINE = {"demo": "the demo line", "test": "the test line", "quick": 'the quick subset (`-m "not slow"`)'}
+
+
+@block("readme-time")
+def readme_time(recs: Records) -> str:
+    """The README's lines as timed from a fresh clone (``benchmarks/readme_time.py``): the newest run of each."""
+    newest = {}
+    for rec, d in sorted(recs.others("*-readme-time*.json"), key=lambda run: (run[0].date, run[0].file)):
+        for r in d["readme_time"]:
+            newest[r["line"]] = (rec, d["env"], r)
+    if not newest:
+        return "The README's lines: not timed."
+    parts = []
+    for line in ("demo", "test", "quick"):
+        if line in newest:
+            rec, env, r = newest[line]
+            said = f"; {r['pytest']}" if r["pytest"] else ""
+            failed = "" if r["rc"] == 0 else f", exit status {r['rc']}"
+            parts.append(f"{_LINE[line]} {r['seconds'] / 60:.1f} minutes ({env['cores']} cores{failed}{said})")
+    return ("Timed from a fresh clone, each venv made anew: " + "; ".join(parts) + ".\n\n"
+            + sources({rec for rec, _, _ in newest.values()}))
 
 
 # --- the demo and engine-step records ----------------------------------------
