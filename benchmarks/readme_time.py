@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
+    # the lines run as from a new shell: no PYTHONPATH or active venv of the process that runs this script
+    shell_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     runs = []
     with tempfile.TemporaryDirectory(prefix="ropepool-readme-") as tmp:
         subprocess.run(["git", "clone", "-q", str(ROOT), tmp], check=True)
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
             if name != "quick":  # a fresh machine's venv, as the README's lines assume
                 shutil.rmtree(Path(tmp) / ".venv", ignore_errors=True)
             t0 = time.perf_counter()
-            done = subprocess.run(["bash", "-c", cmd], cwd=tmp, capture_output=True, text=True)
+            done = subprocess.run(["bash", "-c", cmd], cwd=tmp, capture_output=True, text=True, env=shell_env)
             seconds = time.perf_counter() - t0
             summary = next((line.strip("= ") for line in reversed(done.stdout.splitlines())
                             if re.search(r"\d+ (passed|failed)", line)), None)
