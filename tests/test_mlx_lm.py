@@ -195,6 +195,6 @@ def test_demo_runs_mlx_lm_with_and_without_ropepool(capsys):
     """``ropepool demo --framework mlx``: every family's float32 tokens identical, exit 0."""
     from ropepool.cli import main
 
-    assert main(["demo", "--framework", "mlx", "--new-tokens", "4"]) == 0
+    assert main(["demo", "--framework", "mlx", "--dtype", "float32", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert out.count("tokens identical") == 4, out

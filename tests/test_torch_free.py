@@ -123,10 +123,12 @@ def test_env_without_torch():
         assert main(["env"]) == 0
     """)
     assert "ropepool" in out and "backends" in out, out
-    said = dict(line.split(maxsplit=2)[::2] for line in out.split("backends (in order of preference):")[1].splitlines()
-                if line.strip() and not line.startswith("LOADED:"))
+    rows = [line.split(maxsplit=3) for line in out.split("backends (in order of preference):")[1].splitlines()
+            if line.strip() and not line.startswith("LOADED:")]  # name, framework, module, ready or why not
     mlx = "ready" if HAS["mlx"] else "mlx is not installed (pip install 'ropepool[mlx]')"
-    assert said == {"triton": "torch is not installed", "torch": "torch is not installed", "mlx": mlx}, out
+    assert {(name, why) for name, _, _, why in rows} == {("triton", "torch is not installed"),
+                                                          ("torch", "torch is not installed"), ("mlx", mlx)}, out
+    assert len({module for _, _, module, _ in rows}) == len(rows), out  # one row a backend module
 
 
 def test_version_from_one_source(capsys):

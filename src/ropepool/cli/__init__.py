@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import tempfile
 
 # (command, framework) -> (modules it imports, the extra that installs them)
 NEEDS = {("demo", "torch"): (("torch", "transformers", "rich"), "hf"),
          ("bench", "torch"): (("torch", "rich"), "torch,bench"),
          ("demo", "mlx"): (("mlx.core", "mlx_lm"), "mlx-lm"),
          ("bench", "mlx"): (("mlx.core", "rich"), "mlx,bench")}
+FRAMEWORKS = ("torch", "mlx")
+ENGINES = ("transformers", "vllm")
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,6 +34,35 @@ class Parser(argparse.ArgumentParser):
 def alias(parser, flag, of):
     """Accept ``flag`` as an older spelling of the option ``of`` (its action), not shown in --help."""
     parser.add_argument(flag, dest=of.dest, type=of.type, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def choosers(parser, cmd):
+    """``--framework`` (and demo's ``--engine``) in a command's --help: ``main`` reads them before the
+    command's own parser runs, to pick its module, so each module's parser lists them too."""
+    parser.add_argument("--framework", choices=FRAMEWORKS, default="torch",
+                        help="torch (the default) or mlx: mlx-lm's models and MLX arrays, no torch needed")
+    if cmd == "demo":
+        parser.add_argument("--engine", choices=ENGINES, default="transformers",
+                            help="the serving engine the models run in (default transformers; vllm: vLLM's CPU "
+                                 "build, installed by the README's vLLM line)")
+
+
+def out_file(text):
+    """Type of ``--out``: a file name in a directory that exists and takes new files, checked before any work
+    (a write that fails at the end of a run would lose its results)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file name in it, e.g. "
+                                         f"{os.path.join(text, 'run.json')}")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"directory {folder!r} does not exist; create it (mkdir -p {folder}) "
+                                         "or name a file in an existing one")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write in {folder!r} ({e.strerror}); name a file in a "
+                                         "directory you can write to") from None
+    return text
 
 
 def names_of(valid, all_=False):
@@ -124,7 +157,8 @@ def env_report() -> int:
     for b in BACKENDS:
         why = b.why_not(q) if b.framework == "torch" and q is not None else (
             b.why_not(None) if b.framework == "mlx" else "torch is not installed")
-        print(f"  {b.name:<7} {b.framework:<6} {'ready' if why is None else why}")
+        # two rows share the name torch (CPU fast path, general code): the module tells them apart
+        print(f"  {b.name:<7} {b.framework:<6} {b.module.lstrip('.'):<12} {'ready' if why is None else why}")
     return 0
 
 
@@ -132,9 +166,9 @@ def _framework(cmd: str, args: list) -> tuple:
     """(the framework ``--framework`` names, the engine ``--engine`` names, the other args): MLX's demo and
     bench are their own modules, which import neither torch nor transformers; so is the vLLM demo."""
     p = Parser(prog=f"ropepool {cmd}", add_help=False)
-    p.add_argument("--framework", choices=("torch", "mlx"), default="torch")
+    p.add_argument("--framework", choices=FRAMEWORKS, default="torch")
     if cmd == "demo":
-        p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
+        p.add_argument("--engine", choices=ENGINES, default="transformers")
     a, rest = p.parse_known_args(args)
     return a.framework, getattr(a, "engine", None), rest
 

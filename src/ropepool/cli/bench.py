@@ -182,11 +182,12 @@ def environment(device, dtype=None):
 def main(argv=None):
     from rich.progress import Progress
 
-    from . import Parser, alias, count, counts, names_of, out_paths, torch_device
+    from . import Parser, alias, choosers, count, counts, names_of, out_file, out_paths, torch_device
     from .bench_report import plot, print_table, save_plot
 
     cuda_here = torch.cuda.is_available()
     p = Parser(prog="ropepool bench", description=__doc__.split("\n")[0])
+    choosers(p, "bench")
     p.add_argument("--device", default="cuda" if cuda_here else "cpu", help="torch device (default: cuda if "
                    "available, else cpu)")
     p.add_argument("--geometries", type=names_of(GEOMETRIES, all_=True), default=None,
@@ -203,8 +204,9 @@ def main(argv=None):
                    "65536 on CPU)")
     p.add_argument("--layouts", type=names_of(LAYOUTS), default="flat", help="comma-separated from flat, NHD "
                    "(paged, page_size 16), fp8 (flat float8_e4m3fn pool, scale 0.5)")
-    alias(p, "--json", p.add_argument("--out", default=None, help="write the records to OUT.json and the plot "
-                                      "beside them (OUT.png); OUT may end in .json"))
+    alias(p, "--json", p.add_argument("--out", type=out_file, default=None,
+                                      help="write the records to OUT.json and the plot beside them (OUT.png); OUT may "
+                                           "end in .json"))
     a = p.parse_args(argv)
     device = torch_device(p, a.device)
     cuda = device.type == "cuda"

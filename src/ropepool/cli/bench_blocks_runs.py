@@ -8,7 +8,8 @@ last column gives eager's time over the first provider's. ``DTYPE`` (bfloat16 by
 ``dtype=float32``. ``<!-- summary:host-table FILE -->`` prints a host-cost run (``host_rows``).
 ``<!-- summary:soak-table FILE -->`` prints a ``benchmarks/soak.py`` run: calls/s and resident memory at
 each tenth of it, then its start, middle and end. ``<!-- summary:test-memory FILE -->`` states a
-``benchmarks/suite_memory.py`` run: the test suite's peak resident memory.
+``benchmarks/suite_memory.py`` run: the test suite's peak resident memory. ``<!-- summary:readme-time -->``
+gives the README's command lines as ``benchmarks/readme_time.py`` timed them from a fresh clone.
 
 ``<!-- summary:demo-table DEVICE -->`` (transformers' continuous batching as shipped and through
 ropepool) prints, from the newest demo record of each dtype on that device
@@ -21,7 +22,7 @@ from __future__ import annotations
 import statistics
 
 from ropepool.cli.bench_records import Records
-from ropepool.cli.bench_summary import block, fmt_num, sources
+from ropepool.cli.bench_summary import block, fmt_num, sources, span
 
 _MODES = {"graph": 0, "eager": 1}
 
@@ -110,6 +111,29 @@ def suite_memory(recs: Records, file: str) -> str:
             + sources([rec]))
 
 
+_LINE = {"demo": "the demo line", "test": "the test line", "quick": 'the quick subset (`-m "not slow"`)'}
+
+
+@block("readme-time")
+def readme_time(recs: Records) -> str:
+    """The README's lines as timed from a fresh clone (``benchmarks/readme_time.py``): the newest run of each."""
+    newest = {}
+    for rec, d in sorted(recs.others("*-readme-time*.json"), key=lambda run: (run[0].date, run[0].file)):
+        for r in d["readme_time"]:
+            newest[r["line"]] = (rec, d["env"], r)
+    if not newest:
+        return "The README's lines: not timed."
+    parts = []
+    for line in ("demo", "test", "quick"):
+        if line in newest:
+            rec, env, r = newest[line]
+            said = f"; {r['pytest']}" if r["pytest"] else ""
+            failed = "" if r["rc"] == 0 else f", exit status {r['rc']}"
+            parts.append(f"{_LINE[line]} {r['seconds'] / 60:.1f} minutes ({env['cores']} cores{failed}{said})")
+    return ("Timed from a fresh clone, each venv made anew: " + "; ".join(parts) + ".\n\n"
+            + sources({rec for rec, _, _ in newest.values()}))
+
+
 # --- the demo and engine-step records ----------------------------------------
 def _tok_s(row: dict, path: str, cpu: bool) -> list[float]:
     return [row["tokens"] / s for s in row[f"{path}_cpu_s" if cpu else f"{path}_s"]]
@@ -119,34 +143,50 @@ def _fmt(values) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
+def demo_rows(recs: Records, device: str = "cpu") -> dict:
+    """{(dtype,) or, off the CPU, (dtype, requests): (record, its rows of that key)}: the newest demo record of each
+    key on ``device`` (a record of ``ropepool demo`` holds each dtype it ran, by default float32 and bfloat16; a
+    GPU run at a model's widths, demo_scale.py, names its request count)."""
+    newest = {}
+    for rec, d in recs.others("*-demo-*.json"):  # oldest first: the last one wins
+        if str(d["env"].get("device", "")).split(":")[0] == device:
+            groups = {}
+            for row in d.get("demo", []):
+                key = (row["dtype"],) if device == "cpu" else (row["dtype"], row.get("requests"))
+                groups.setdefault(key, []).append(row)
+            newest.update({key: (rec, rows) for key, rows in groups.items()})
+    return newest
+
+
+def demo_ratio(row: dict, cpu: bool) -> float:
+    """ropepool's median tokens/s over transformers' in one model's runs."""
+    return statistics.median(_tok_s(row, "fused", cpu)) / statistics.median(_tok_s(row, "plain", cpu))
+
+
 @block("demo-table")
 def demo_table(recs: Records, device: str = "cpu") -> str:
-    """The newest demo record of each dtype (and request count: a GPU run at a model's widths, demo_scale.py)."""
-    newest = {}
-    for rec, d in recs.others("*-demo-*.json"):
-        if str(d["env"].get("device", "")).split(":")[0] == device and d.get("demo"):
-            newest[(d["demo"][0]["dtype"], d["demo"][0]["requests"])] = (rec, d)  # oldest first: the last wins
+    newest = demo_rows(recs, device)
     if not newest:
         raise KeyError(f"demo-table: no demo record on {device} under docs/bench/")
     cpu = device == "cpu"
-    envs = [d["env"] for _, d in newest.values()]
+    envs = {rec.file: recs.other[rec.file][1]["env"] for rec, _ in newest.values()}
     lines = ["| model | dtype | transformers tok/s | through ropepool | ropepool / transformers | tokens |",
              "| --- | --- | ---: | ---: | ---: | --- |"]
     if not cpu:
         lines = [line.replace("| dtype |", "| dtype | requests |").replace("| --- | --- |", "| --- | --- | ---: |", 1)
                  for line in lines]
     for key in sorted(newest):
-        for row in newest[key][1]["demo"]:
+        for row in newest[key][1]:
             plain, fused = _tok_s(row, "plain", cpu), _tok_s(row, "fused", cpu)
-            ratio = statistics.median(fused) / statistics.median(plain)
             match = "identical" if row["identical"] else "diverge at a near-tie" if row["ok"] else "MISMATCH"
-            model = row["family"] if cpu else f"{row['family']}, {newest[key][1]['env'].get('layers', '?')} layers"
+            model = row["family"] if cpu else f"{row['family']}, {envs[newest[key][0].file].get('layers', '?')} layers"
             count = "" if cpu else f" {row['requests']} |"
-            lines.append(f"| {model} | {key[0]} |{count} {_fmt(plain)} | {_fmt(fused)} | {ratio:.2f}x | {match} |")
-    runs = len(next(iter(newest.values()))[1]["demo"][0]["plain_s"])
+            lines.append(f"| {model} | {key[0]} |{count} {_fmt(plain)} | {_fmt(fused)} | {demo_ratio(row, cpu):.2f}x "
+                         f"| {match} |")
+    runs = len(next(iter(newest.values()))[1][0]["plain_s"])
     clock = "process CPU time" if cpu else "wall time"
-    requests = sorted({len(e.get("prompts", ())) for e in envs})
-    new_tokens = sorted({e.get("new_tokens", 16) for e in envs})
+    requests = sorted({len(e.get("prompts", ())) for e in envs.values()})
+    new_tokens = sorted({e.get("new_tokens", 16) for e in envs.values()})
     return (f"Tokens/s of {clock}, median (min-max) of {runs} interleaved runs of each path after an untimed "
             f"one; {' or '.join(map(str, requests))} requests x {' or '.join(map(str, new_tokens))} new tokens"
             f"{' a model' if cpu else ''}:\n\n" + "\n".join(lines) + "\n\n"
@@ -218,3 +258,53 @@ def _one_line(r: dict) -> str:
     return (f"{a['step_us_median']:,.0f} µs with the plugin loaded, {b['step_us_median']:,.0f} µs without "
             f"({a['step_us_median'] / b['step_us_median']:.3f}x), {a['ropepool_calls_per_layer_step']:.2f} ropepool "
             f"calls per layer and step, tokens {'identical' if r['tokens_match'] else 'DIFFERENT'}.")
+
+
+# --- the README's headline ---------------------------------------------------
+@block("headline")
+def headline(recs: Records) -> str:
+    """One line per machine and path, from the newest records: what the README shows before linking to
+    docs/benchmarks.md. Ratios are a peer's time over ropepool's (below 1.00x ropepool is the slower)."""
+    from ropepool.cli import bench_blocks as b  # the per-device figures (imported here: it registers its blocks)
+
+    x = lambda v: f"{v:.2f}"  # noqa: E731
+    lines = ["| machine | what | ropepool | beside it (a ratio below 1.00x: ropepool is the slower) |",
+             "| --- | --- | --- | --- |"]
+    used = set()
+    plain = b.row(recs, b.OPS[0])  # plain RoPE + KV write, Llama-3-8B heads
+    used |= plain.records
+    lines.append(f"| {b.GPU}, bfloat16 | one call, Llama-3-8B heads (32 q, 8 KV, 128) | {plain.small[0]} µs at "
+                 f"1 token (CUDA graph); {plain.pct[1]} of a device copy's bandwidth at 65,536 tokens | "
+                 f"{'; '.join(plain.peers[:1] + plain.peers[-2:])}: their time over ropepool's, over 1-65,536 "
+                 "tokens |")
+    host, host_used = b.host_cost(recs)
+    used |= host_used
+    lines.append(f"| {b.GPU} | the host cost of an eager call from Python, 1-256 tokens | {host} a bare Triton "
+                 "launch in the same process | a bare Triton launch |")
+    for dtype in b.DTYPES:
+        rs = {t: b.cpu_ratio(recs, t, dtype) for t in b.CPU_TOKENS}
+        rs = {t: r for t, r in rs.items() if r}
+        used |= {rec for r in rs.values() for rec in r.records}
+        if rs:
+            lines.append(f"| CPU, 1 thread, {dtype} | one call, Llama-3-8B heads, 1-4,096 tokens | "
+                         f"1 token: eager PyTorch's time / ropepool's {rs[min(rs)].median:.2f}x | eager PyTorch "
+                         f"(transformers-style RoPE + `index_copy_`): {span([r.median for r in rs.values()], x)}x "
+                         "over 1-4,096 tokens |")
+    devices = b.mlx_devices(recs)
+    if devices:
+        rs = b.mlx_ratios(recs, devices[0])
+        used |= {rec for r in rs.values() for rec in r.records}
+        lines.append(f"| MLX CPU backend | one call, 1-4,096 tokens, bfloat16 and float32 | "
+                     f"{span([r.median for r in rs.values()], x)}x the time of the hand-written code | the "
+                     "hand-written code (`mx.fast.rope` + slice updates) |")
+    demo = demo_rows(recs, "cpu")
+    if demo:
+        ratios = [demo_ratio(r, True) for _, rows in demo.values() for r in rows]
+        same = all(r["identical"] for r in demo.get(("float32",), (None, []))[1])
+        used |= {rec for rec, _ in demo.values()}
+        dtypes = ", ".join(sorted(k[0] for k in demo))
+        lines.append(f"| CPU, `ropepool demo` | serving tiny models in transformers' continuous batching "
+                     f"({dtypes}) | float32 tokens {'identical' if same else 'NOT identical'} | "
+                     "transformers as shipped: ropepool's "
+                     f"tokens/s / its {span(ratios, x)}x |")
+    return "\n".join(lines) + "\n\n" + sources(used)

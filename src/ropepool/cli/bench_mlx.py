@@ -207,14 +207,15 @@ def plot(records, env, path):
 
 
 def main(argv=None) -> int:
-    from . import Parser, alias, count, counts, names_of, out_paths, positive
+    from . import Parser, alias, choosers, count, counts, names_of, out_file, out_paths, positive
 
     p = Parser(prog="ropepool bench --framework mlx", description=__doc__.split("\n")[0])
+    choosers(p, "bench")
     p.add_argument("--geometries", type=names_of(GEOMETRIES, all_=True), default="all",
                    help=f"comma-separated from {', '.join(GEOMETRIES)} (q heads, KV heads, head_dim: "
                         f"{', '.join(f'{k}={v}' for k, v in GEOMETRIES.items())}), or all (the default)")
-    alias(p, "--dtype", p.add_argument("--dtypes", type=names_of(DTYPES), default=",".join(DTYPES),
-                                       help="comma-separated from bfloat16, float32"))
+    p.add_argument("--dtype", type=names_of(DTYPES), default=",".join(DTYPES),
+                   help=f"comma-separated from {', '.join(DTYPES)} (default all)")
     p.add_argument("--tokens", type=counts, default=",".join(map(str, TOKENS)), help="comma-separated tokens per call")
     alias(p, "--pool-rows", p.add_argument("--pool-size", dest="pool_rows", metavar="N", type=count, default=65536,
                                            help="rows (slots) of each KV pool"))
@@ -226,8 +227,9 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=count, default=200, help="timed calls of each provider, at most")
     p.add_argument("--seconds", type=positive, default=20.0,
                    help="stop timing a cell after this long (at least 5 calls each)")
-    alias(p, "--json", p.add_argument("--out", default=None, help="write the records to OUT.json and the plot "
-                                      "beside them (OUT.png); OUT may end in .json; default: print only"))
+    alias(p, "--json", p.add_argument("--out", type=out_file, default=None,
+                                      help="write the records to OUT.json and the plot beside them (OUT.png); OUT may "
+                                           "end in .json; default: print only"))
     a = p.parse_args(argv)
     if max(a.tokens) > a.pool_rows:
         p.error(f"argument --tokens: {max(a.tokens)} tokens per call need a pool of at least as many rows; "
@@ -236,7 +238,7 @@ def main(argv=None) -> int:
     from rich.progress import Progress
 
     env = environment()
-    cells = [(g, d, T) for g in a.geometries for d in a.dtypes for T in a.tokens]
+    cells = [(g, d, T) for g in a.geometries for d in a.dtype for T in a.tokens]
     gen, records = np.random.default_rng(0), []
     with Progress() as progress:
         task = progress.add_task("benchmarking", total=len(cells))

@@ -9,8 +9,8 @@ harness kept outside the repository (docs/benchmarks.md says what it ran; ``conf
 same cell join it, so a record added later (a new file, never an overwrite) is picked up without any
 code change.
 
-Which code a record measured: ``env.commit`` where the record carries it, else the commit
-``docs/bench/provenance.json`` gives for it (from its run's docs), else the last commit that wrote
+Which code a record measured: ``env.commit`` where the record carries it (and it is in this history), else
+the commit ``docs/bench/provenance.json`` gives for it, else the last commit that wrote
 the file; either is mapped to the last commit at or before it that touched the
 device's code paths (``CODE_PATHS``). Two records measured the same code when those files' syntax
 trees, docstrings left out, are equal (``code_id``). A cell reports the runs of the code of its
@@ -178,7 +178,9 @@ def _provenance(root: Path) -> dict:
 
 def _record(path: Path, env, kind, device, names) -> Record:
     date = env.get("date") or "-".join(path.stem.split("-")[1:4])
-    commit = env.get("commit") or _provenance(path.parent).get(path.name, {}).get("commit")
+    commit, pinned = env.get("commit"), _provenance(path.parent).get(path.name, {}).get("commit")
+    if pinned and (commit is None or _git("merge-base", "--is-ancestor", commit, "HEAD") is None):
+        commit = pinned  # env.commit absent, or rebased away: the commit provenance.json gives
     return Record(path.name, kind, device, date, _versions(env, names), env.get("note"), commit)
 
 

@@ -106,16 +106,12 @@ def span(values, fmt) -> str:
 
 
 def sources(records) -> str:
-    """Each record as 'file (date, commit; later commits)', with its device and versions once."""
+    """Each record as 'file (date, commit; later commits)', with its device and versions once. The records'
+    notes (machine load, command) stay in the records, which the docs link to: generated text stays short."""
     records = sorted(set(records), key=lambda r: r.file)
     parts = [r.source() for r in records]
     about = sorted({f"{r.device}; {r.versions}" for r in records})
-    notes = [(r.file, r.note) for r in records if r.note]
-    if len({n for _, n in notes}) == 1:
-        said = f" Note: {notes[0][1]}"
-    else:  # each record's own note, named by its file
-        said = "".join(f" Note on `{f}`: {n}." for f, n in notes)
-    return "Records: " + ", ".join(parts) + ". " + " / ".join(about) + "." + (said if notes else "")
+    return "Records: " + ", ".join(parts) + ". " + " / ".join(about) + "."
 
 
 def stale(records) -> bool:

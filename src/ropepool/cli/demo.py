@@ -311,19 +311,19 @@ def record(results: list, device: str, note: str | None, setup: dict | None = No
     return {"env": env, "demo": [c.record() for c in results]}
 
 
-def main(argv=None) -> int:
-    import torch
-
-    from . import Parser, alias, count, names_of, torch_device
+def parser():
+    from . import Parser, alias, choosers, count, names_of, out_file
 
     p = Parser(prog="ropepool demo", description="Run small models of each family through transformers' own "
                "continuous batching, as shipped and with ropepool enabled; print tokens/s for both and whether "
                "the tokens match.")
+    choosers(p, "demo")
     alias(p, "--model", p.add_argument("--families", type=names_of(FAMILIES, all_=True), default="all",
                                        help=f"comma-separated from {', '.join(FAMILIES)}, or all (the default)"))
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", choices=tuple(LOGPROB_TOL), default="float32",
-                   help="model dtype (default float32, where the tokens must be identical)")
+    p.add_argument("--dtype", type=names_of(tuple(LOGPROB_TOL)), default="float32,bfloat16",
+                   help="model dtypes, comma-separated from float32, bfloat16, float16 (default float32,bfloat16; "
+                        "in float32 the tokens must be identical)")
     p.add_argument("--new-tokens", type=count, default=16, help="tokens to generate per request (default 16)")
     p.add_argument("--repeats", type=count, default=5,
                    help="timed runs of each path, interleaved, after an untimed one; tokens/s is their median, "
@@ -333,8 +333,17 @@ def main(argv=None) -> int:
                         "random weights (for a GPU; demo_scale.py)")
     p.add_argument("--layers", type=count, default=4, help="layers of the --geometry model (default 4)")
     p.add_argument("--requests", type=count, default=8, help="requests of the --geometry run (default 8)")
-    p.add_argument("--out", default=None, help="also write the runs as a record to OUT.json")
+    p.add_argument("--out", type=out_file, default=None, help="also write the runs as a record to OUT.json")
     p.add_argument("--note", default=None, help="a note stored in the record (where and how it was measured)")
+    return p
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from . import torch_device
+
+    p = parser()
     a = p.parse_args(argv)
     device = torch_device(p, a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from rich.console import Console
@@ -347,25 +356,28 @@ def main(argv=None) -> int:
     results, lengths, scaled, setup = [], PROMPT_LENGTHS, {}, None
     if a.geometry:
         lengths = demo_scale.prompt_lengths(a.requests)
-        scaled = dict(model=demo_scale.build(a.geometry, layers=a.layers, dtype=getattr(torch, a.dtype),
-                                             device=device),
-                      config=demo_scale.batching(a.requests, lengths, a.new_tokens, demo_scale.MAX_BATCH_TOKENS))
+        scaled = dict(config=demo_scale.batching(a.requests, lengths, a.new_tokens, demo_scale.MAX_BATCH_TOKENS))
         setup = {"geometry": a.geometry, "layers": a.layers, "prompts": lengths, "new_tokens": a.new_tokens,
                  "max_batch_tokens": demo_scale.MAX_BATCH_TOKENS}
     try:
         with Progress(console=console, transient=False) as progress:
-            for family in [a.geometry] if a.geometry else a.families:
-                task = progress.add_task(f"{family}: requests", total=2 * (a.repeats + 1) * len(lengths))
-                results.append(compare(family, device=device, dtype=getattr(torch, a.dtype),
-                                       new_tokens=a.new_tokens, repeats=a.repeats, prompt_lengths=lengths,
-                                       advance=lambda task=task: progress.advance(task), **scaled))
+            for dtype in a.dtype:
+                if a.geometry:
+                    scaled["model"] = demo_scale.build(a.geometry, layers=a.layers, dtype=getattr(torch, dtype),
+                                                       device=device)
+                for family in [a.geometry] if a.geometry else a.families:
+                    task = progress.add_task(f"{family} {dtype}: requests", total=2 * (a.repeats + 1) * len(lengths))
+                    results.append(compare(family, device=device, dtype=getattr(torch, dtype),
+                                           new_tokens=a.new_tokens, repeats=a.repeats, prompt_lengths=lengths,
+                                           advance=lambda task=task: progress.advance(task), **scaled))
     finally:
         gc.unfreeze()  # let the interpreter free it all at exit
     console.print(render(results, device))
     if results and results[0].firsts:  # what a server's first requests pay, kept out of the medians
         clock = "CPU" if CPU_TIME[0] else "wall"
         console.print("first (untimed) run of each model, s of " + clock + " time, transformers / through ropepool: " +
-                      ", ".join(f"{c.family} {_clock(c.firsts[0]):.2f} / {_clock(c.firsts[1]):.2f}" for c in results))
+                      ", ".join(f"{c.family} {c.dtype} {_clock(c.firsts[0]):.2f} / {_clock(c.firsts[1]):.2f}"
+                                for c in results))
     lost = losses(results, device)
     if lost:
         console.print(lost)
@@ -376,12 +388,13 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(record(results, device, a.note, setup), f, indent=1)
         console.print(f"wrote {path}")
-    failed = [c.family for c in results if not c.ok]
+    failed = [f"{c.family} {c.dtype}" for c in results if not c.ok]
     if failed:
         console.print(f"[red]mismatch: {', '.join(failed)}[/]")
         return 1
-    console.print("[green]all tokens identical[/]" if a.dtype == "float32" else
-                  f"[green]log-probabilities within {LOGPROB_TOL[a.dtype]} while the tokens agree[/]")
+    for dtype in a.dtype:
+        console.print(f"[green]{dtype}: all tokens identical[/]" if dtype == "float32" else
+                      f"[green]{dtype}: log-probabilities within {LOGPROB_TOL[dtype]} while the tokens agree[/]")
     return 0
 
 

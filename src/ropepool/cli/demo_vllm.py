@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 
-from . import Parser, count
+from . import Parser, choosers, count
 
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2)
@@ -215,6 +215,7 @@ def per_layer_step(result: dict) -> float:
 
 def main(argv=None) -> int:
     p = Parser(prog="ropepool demo --engine vllm", description=__doc__.split("\n")[0])
+    choosers(p, "demo")
     p.add_argument("--new-tokens", type=count, default=32, help="tokens decoded per prompt (default 32)")
     p.add_argument("--rounds", type=count, default=3, help="turns each engine takes, interleaved (default 3)")
     p.add_argument("--child", help="(internal) serve as one engine's process")
