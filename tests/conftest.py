@@ -30,9 +30,6 @@ if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     ctypes.CDLL(None).mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
 
 
-# The CPU path's inductor-compiled rotation costs seconds to compile per dtype: off in the suite,
-# on in tests/test_cpu_path.py's test of it.
-os.environ.setdefault("ROPEPOOL_CPU_COMPILE", "off")
 
 
 def pytest_configure(config):
