@@ -6,9 +6,10 @@ it checks every slot and position before it writes a byte. This module only bind
 from the plan once per layout (``cfg``: the rotation's shape, the pool layout, the stores' bounds), and hands
 over the cos/sin rows:
 
-- ropepool's frequencies: tables ``[positions, rotary_dim // 2]`` made by torch's float32 ``cos`` / ``sin`` of
-  ``float32(p) * inv_freq`` as ``torch_eager`` makes them (its bits, docs/precision.md), once per rotation,
-  grown on demand (``_TABLES``, bounded in bytes); longrope's two sets, the kernel picking one per call;
+- ropepool's frequencies: one table per rotation, a row per position (each frequency set's cos, then its sin),
+  made by torch's float32 ``cos`` / ``sin`` of ``float32(p) * inv_freq`` as ``torch_eager`` makes them (its bits,
+  docs/precision.md), grown on demand (``_TABLES``, bounded in bytes); longrope's two sets side by side, the kernel
+  picking one per call from its largest position;
 - the engine's table (``CosSinCache``) as it is, read through the rotation's weak reference;
 - where a table's rows would not be torch_eager's bits (``rotary_dim // 2`` not a multiple of 32: ATen computes
   a tail of a tensor with libm's functions, not its vector ones), for MRoPE with ropepool's frequencies, and
@@ -28,15 +29,16 @@ from ..errors import RopePoolError
 from . import arraymath, paths
 from .torch_arrays import TorchOps, extras
 
-# cfg's entries, in rope_ffi.cc's order (enum Cfg).
-CFG = ("rotary_dim", "gptj", "long_from", "by_token", "layer", "kv_layout", "headed", "mrope", "k_pool_qmax",
-       "v_pool_qmax", "q_out_qmax", "k_out_qmax", "k_kind")
+# cfg's entries, in rope_ffi.cc's order (enum Cfg); each scale: its address, size, stride and bound.
+CFG = ("rotary_dim", "gptj", "long_from", "by_token", "layer", "kv_layout", "headed", "k_kind", "sin_at", "long_at",
+       "mrope_rows_ptr") + tuple(f"{d}_{f}" for d in ("k_pool", "v_pool", "q_out", "k_out")
+                                 for f in ("scale_ptr", "scale_n", "scale_stride", "qmax"))
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAX_DIM = 2048  # rope_kernel.h MAX_DIM
 # Tables cover positions below this (64 MB a rotation at rotary_dim 128), grown in chunks; past it, per call.
 _TABLE_POSITIONS, _TABLE_CHUNK = 1 << 17, 1 << 12
-# (frequencies' bytes, set, attention scaling) -> (cos, sin): equal rotations share tables. Past _TABLE_BYTES
-# every table is dropped (and regrown on demand).
+# (frequencies' bytes, attention scaling) -> float32 [positions, sets * rotary_dim]: per frequency set its cos
+# then its sin columns; equal rotations share one. Past _TABLE_BYTES every table is dropped (regrown on demand).
 _TABLES: dict = {}
 _TABLE_BYTES = 256 << 20
 _table_bytes = [0]
@@ -47,31 +49,29 @@ def drop_tables() -> None:
     _table_bytes[0] = 0
 
 
-def _table(freqs, s: int, scaling: float, top: int):
-    """cos and sin ``[n, half]`` of rotation set ``s`` for positions ``< n``, n > ``top``; None where they would
-    pass the bound (the caller computes per call)."""
-    key = (freqs.numpy().tobytes(), s, scaling)
+def _table(freqs, scaling: float, top: int):
+    """The rotation's table, rows for positions up to at least ``top``; None past the bound (computed per call)."""
+    key = (freqs.numpy().tobytes(), scaling)
     have = _TABLES.get(key)
-    n = 0 if have is None else have[0].shape[0]
+    n = 0 if have is None else have.shape[0]
     if n > top:
         return have
     if top >= _TABLE_POSITIONS:
         return None
-    new_n = (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK
     # As torch_eager (arraymath.cos_sin): float32(p) * inv_freq32, torch's float32 cos and sin, then the scaling.
-    ang = torch.arange(n, new_n).view(-1, 1) * freqs[s].view(1, -1)
+    ang = torch.arange(n, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK).view(-1, 1, 1) * freqs.view(1, *freqs.shape)
     cos, sin = torch.cos(ang), torch.sin(ang)
     if scaling != 1.0:
         cos, sin = cos * scaling, sin * scaling
-    grown = cos.nbytes + sin.nbytes
-    if _table_bytes[0] + grown > _TABLE_BYTES:
+    new = torch.cat((cos, sin), 2).flatten(1)  # [positions, sets * (cos, sin)]
+    if _table_bytes[0] + new.nbytes > _TABLE_BYTES:
         drop_tables()
-        return _table(freqs, s, scaling, top) if grown <= _TABLE_BYTES else None
+        return _table(freqs, scaling, top) if new.nbytes <= _TABLE_BYTES and n else None
     if have is not None:
-        cos, sin = torch.cat((have[0], cos)), torch.cat((have[1], sin))
-    _table_bytes[0] += grown
-    _TABLES[key] = (cos, sin)  # new tensors, then the swap: a call running keeps the old ones
-    return _TABLES[key]
+        new = torch.cat((have, new))
+    _table_bytes[0] += new.nbytes - (0 if have is None else have.nbytes)
+    _TABLES[key] = new  # a new tensor, then the swap: a call running keeps the old one
+    return new
 
 
 class Prepared:
@@ -82,85 +82,73 @@ class Prepared:
         general = self.fallback.bind(*arrays)
         if native.kernel() is None or max(a.shape[-1] for a in arrays[:3]) > _MAX_DIM:
             return general
-        return Native(self.plan, arrays, general).run
+        return Native(self.plan, arrays).run
 
 
 def prepare(plan, tuning, fallback):
     return Prepared(plan, fallback)
 
 
-_NONE = torch.zeros(1)  # an argument the call has not (a table, a scale): the kernel does not read it
+_DENSE = torch.contiguous_format
+_NONE = torch.zeros(1, 1)  # no table (a layer without RoPE): the kernel does not read it
 
 
 class Native:
     """The runner of one plan and layout."""
 
-    def __init__(self, plan, arrays, general):
+    def __init__(self, plan, arrays):
         call, rot, st = plan.call, plan.call.rotation, plan.stores
-        self.call, self.rot, self.general = call, rot, general
+        self.call, self.rot = call, rot
         self.fn = native.kernel().rope_pool
-        self.ex = ex = extras(plan.fixed, torch.device("cpu"))
+        ex = extras(plan.fixed, torch.device("cpu"))
         r, half = rot.rotary_dim, rot.rotary_dim // 2
         geom = call.pool
         self.freqs = ex.freqs
         self.own = rot.table_ref is None and r > 0
-        # Per call (a row per token) where tables would not give torch_eager's bits, and for MRoPE of ours.
+        # cos/sin per call (a row per token) where tables would not give torch_eager's bits, and for MRoPE of ours.
         self.per_call = self.own and (half % 32 != 0 or call.position_rows == 3)
-        self.mrope_rows = _NONE if call.position_rows != 3 or self.own else \
-            torch.from_numpy(rot.rows.astype("int32"))
-        k = arrays[1]
-        # By token, cos/sin are arraymath's, longrope's set chosen there: the kernel picks no table.
-        values = dict(rotary_dim=r, gptj=int(rot.gptj),
+        # Arrays the kernel reads by address (cfg): kept alive here.
+        rows = None if call.position_rows != 3 or self.own else torch.from_numpy(rot.rows.astype("int32"))
+        scales = [None if x is None else x.reshape(-1) for x in (ex.k_scale, ex.v_scale, ex.q_scale, ex.k_out_scale)]
+        if any(x is not None and x.dtype != torch.float32 for x in scales):
+            scales = [None if x is None else x.float() for x in scales]
+        self.held = (rows, scales)
+        values = dict(rotary_dim=r, gptj=int(rot.gptj), by_token=int(self.per_call),
                       long_from=-1 if rot.long_from is None or self.per_call else rot.long_from,
-                      by_token=int(self.per_call), layer=-1 if geom.layer is None else geom.layer,
+                      layer=-1 if geom.layer is None else geom.layer,
                       kv_layout=0 if geom.kv_layout is None else 1 + KV_LAYOUTS.index(geom.kv_layout),
-                      headed=int(geom.headed), mrope=int(self.mrope_rows is not _NONE),
-                      k_pool_qmax=st.k_pool.qmax, v_pool_qmax=st.v_pool.qmax, q_out_qmax=st.q_out.qmax,
-                      k_out_qmax=st.k_out.qmax, k_kind=_KINDS[k.dtype])
-        self.cfg = torch.tensor([int(values[n]) for n in CFG], dtype=torch.int64)
-        values.update(by_token=1, long_from=-1)
-        self.cfg_by_token = torch.tensor([int(values[n]) for n in CFG], dtype=torch.int64)  # cos/sin per call
-        self.scales = tuple(_NONE if s is None else s.reshape(-1) for s in (ex.k_scale, ex.v_scale, ex.q_scale,
-                                                                             ex.k_out_scale))
-        self.tables = (_NONE,) * 4
-        if self.own and not self.per_call:
-            self.tables = self._tables(0)
+                      headed=int(geom.headed), k_kind=_KINDS[arrays[1].dtype], sin_at=half, long_at=2 * half,
+                      mrope_rows_ptr=0 if rows is None else rows.data_ptr())
+        for d, store, x in zip(("k_pool", "v_pool", "q_out", "k_out"), st, scales):
+            if store.qmax:
+                values.update({f"{d}_scale_ptr": x.data_ptr(), f"{d}_scale_n": x.numel(),
+                               f"{d}_scale_stride": x.stride(0), f"{d}_qmax": store.qmax})
+        self.cfg = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
+        values.update(by_token=1, long_from=-1)  # cos/sin per call: arraymath's, longrope's set chosen there
+        self.cfg_by_token = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
+        self.table = _table(self.freqs, rot.attention_scaling, 0) if self.own and not self.per_call else _NONE
 
-    def _tables(self, top):
-        """cos, sin (and longrope's long set) covering positions up to ``top``; None past the bound."""
-        rot, freqs = self.rot, self.freqs
-        short = _table(freqs, 0, rot.attention_scaling, top)
-        long = _NONE, _NONE
-        if rot.long_from is not None:
-            long = _table(freqs, 1, rot.attention_scaling, top)
-        if short is None or long is None:
-            return None
-        return (*short, *long)
-
-    def per_token(self, positions) -> tuple:
-        """cos, sin per call, a row per token, as torch_eager computes them."""
-        return *arraymath.cos_sin(self.rot, positions, self.freqs, None, TorchOps)[:2], _NONE, _NONE
+    def per_token(self, positions):
+        """cos | sin ``[T, rotary_dim]`` for this call, as torch_eager computes them."""
+        return torch.cat(arraymath.cos_sin(self.rot, positions, self.freqs, None, TorchOps)[:2], 1)
 
     def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
-        q_rot = torch.empty(q.shape, dtype=q.dtype) if q_out is None else q_out
-        k_rot = torch.empty(k.shape, dtype=k.dtype) if k_out is None else k_out
-        cfg = self.cfg
+        # (empty_like: ~1.4 us where torch.empty(shape, dtype=) costs ~3)
+        q_rot = torch.empty_like(q, memory_format=_DENSE) if q_out is None else q_out
+        k_rot = torch.empty_like(k, memory_format=_DENSE) if k_out is None else k_out
+        cfg, table = self.cfg, self.table
         if self.per_call:
-            tables = self.per_token(positions)
-        elif self.rot.table_ref is None:  # ropepool's tables (none without RoPE)
-            tables = self.tables
-        else:  # the engine's table, cos half and sin half
-            table, half = self.rot.table, self.rot.rotary_dim // 2
-            tables = (table[:, :half], table[:, half:2 * half], _NONE, _NONE)
-        scales, rows = self.scales, self.mrope_rows
-        done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, *tables, rows, *scales, cfg)
-        if done > 0 and self.own:  # positions past ropepool's tables (nothing written): grow them, or per call
-            grown = self._tables(done - 1)
+            table = self.per_token(positions)
+        elif self.rot.table_ref is not None:  # the engine's table: cos half, then sin half
+            table = self.rot.table
+        done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)
+        if done > 0 and self.own:  # positions past ropepool's table (nothing written): grow it, or per call
+            grown = _table(self.freqs, self.rot.attention_scaling, done - 1)
             if grown is None:
-                tables, cfg = self.per_token(positions), self.cfg_by_token
+                table, cfg = self.per_token(positions), self.cfg_by_token
             else:
-                tables = self.tables = grown
-            done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, *tables, rows, *scales, cfg)
+                table = self.table = grown
+            done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)
         if done != 0:  # a slot past the pool, a position outside the table (nothing written): validation's message
             table = self.rot.table
             check_values(positions, slots, self.call.pool_size, None if table is None else table.shape[0])

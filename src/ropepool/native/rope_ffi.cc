@@ -13,10 +13,13 @@ namespace rp = ropepool;
 
 namespace {
 
-// cfg's entries (backends/torch_native.py: CFG, the same order).
+// cfg's entries (backends/torch_native.py: CFG, the same order). The constant arrays of a layout (MRoPE's rows,
+// the scales) are given by address (*_PTR): the binding keeps them alive while its cfg lives, and a call
+// takes 11 arguments, not 17 (each tensor argument costs ~0.2 us).
 enum Cfg {
-  ROTARY_DIM, GPTJ, LONG_FROM, BY_TOKEN, LAYER, KV_LAYOUT, HEADED, MROPE, K_POOL_QMAX, V_POOL_QMAX, Q_OUT_QMAX,
-  K_OUT_QMAX, K_KIND, NUM_CFG
+  ROTARY_DIM, GPTJ, LONG_FROM, BY_TOKEN, LAYER, KV_LAYOUT, HEADED, K_KIND, SIN_AT, LONG_AT, MROPE_ROWS_PTR,
+  SCALES,  // 4 x (PTR, N, STRIDE, QMAX): k pool, v pool, q_out, k_out
+  NUM_CFG = SCALES + 16
 };
 enum Layout { FLAT = 0, NHD = 1, HND = 2, AMX = 3 };
 
@@ -95,25 +98,26 @@ rp::Pool pool(const TensorView& x, const char* name, const int64_t* cfg, bool v)
   return p;
 }
 
-rp::Table table(const TensorView& x, const char* name) {
+// Columns [at, at + half) of a float table [rows, cols] (cos or sin).
+rp::Table table(const TensorView& x, int64_t at, int64_t half) {
   rp::Table t;
-  t.p = base(x);
-  t.kind = checked_kind(x, name);
-  TVM_FFI_CHECK(x.ndim() == 2 && t.kind <= rp::F16, ValueError) << name << ": a float table [rows, half]";
+  t.kind = checked_kind(x, "table");
+  TVM_FFI_CHECK(x.ndim() == 2 && t.kind <= rp::F16 && at >= 0 && (at + half - 1) < x.size(1), ValueError)
+      << "table: a float [rows, cols] with columns " << at << ".." << at + half - 1;
+  t.p = base(x) + at * x.stride(1) * rp::esize(t.kind);
   t.rows = x.size(0);
   t.s_row = x.stride(0);
   t.s_col = x.stride(1);
   return t;
 }
 
-rp::Scale scale(const TensorView& x, int64_t qmax, const char* name) {
+rp::Scale scale(const int64_t* c) {  // (PTR, N, STRIDE, QMAX)
   rp::Scale s;
-  if (qmax == 0) return s;
-  TVM_FFI_CHECK(checked_kind(x, name) == rp::F32 && x.ndim() == 1, TypeError) << name << ": float32 [1 or heads]";
-  s.p = reinterpret_cast<const float*>(base(x));
-  s.n = x.size(0);
-  s.s = x.stride(0);
-  s.qmax = static_cast<float>(qmax);
+  if (c[3] == 0) return s;
+  s.p = reinterpret_cast<const float*>(c[0]);
+  s.n = c[1];
+  s.s = c[2];
+  s.qmax = static_cast<float>(c[3]);
   return s;
 }
 
@@ -121,12 +125,11 @@ const rp::Runner RUN = rp::pick();
 
 }  // namespace
 
-// Returns 0 (done), -1 (a slot past the pool or a negative position: nothing written) or n > 0 (the tables
-// need rows for positions < n: nothing written).
+// Returns 0 (done), -1 (a slot past the pool or a negative position: nothing written) or n > 0 (the table
+// needs rows for positions < n: nothing written).
 int64_t rope_pool(TensorView q, TensorView k, TensorView v, TensorView positions, TensorView slots,
-                  TensorView k_pool, TensorView v_pool, TensorView q_out, TensorView k_out, TensorView cos,
-                  TensorView sin, TensorView cos_long, TensorView sin_long, TensorView freq_row, TensorView k_scale,
-                  TensorView v_scale, TensorView q_scale, TensorView k_out_scale, TensorView cfg_array) {
+                  TensorView k_pool, TensorView v_pool, TensorView q_out, TensorView k_out, TensorView cos_sin,
+                  TensorView cfg_array) {
   TVM_FFI_CHECK(cfg_array.ndim() == 1 && cfg_array.size(0) == NUM_CFG && kind_of(cfg_array.dtype()) == rp::I64,
                 ValueError) << "cfg: int64 [" << NUM_CFG << "]";
   const int64_t* cfg = reinterpret_cast<const int64_t*>(base(cfg_array));
@@ -159,30 +162,24 @@ int64_t rope_pool(TensorView q, TensorView k, TensorView v, TensorView positions
   TVM_FFI_CHECK(a.k_pool.heads == a.k.heads && a.v_pool.heads == a.v.heads && a.k_pool.dim == a.k.dim &&
                 a.v_pool.dim == a.v.dim && a.v_pool.pages * a.v_pool.page_size == a.k_pool.pages * a.k_pool.page_size,
                 ValueError) << "pool shapes";
-  a.k_pool_scale = scale(k_scale, cfg[K_POOL_QMAX], "k_scale");
-  a.v_pool_scale = scale(v_scale, cfg[V_POOL_QMAX], "v_scale");
-  a.q_out_scale = scale(q_scale, cfg[Q_OUT_QMAX], "q_scale");
-  a.k_out_scale = scale(k_out_scale, cfg[K_OUT_QMAX], "k_out_scale");
+  a.k_pool_scale = scale(cfg + SCALES);
+  a.v_pool_scale = scale(cfg + SCALES + 4);
+  a.q_out_scale = scale(cfg + SCALES + 8);
+  a.k_out_scale = scale(cfg + SCALES + 12);
   if (a.r > 0) {
-    a.cos = table(cos, "cos");
-    a.sin = table(sin, "sin");
+    const int64_t half = a.r / 2;
+    a.cos = table(cos_sin, 0, half);
+    a.sin = table(cos_sin, cfg[SIN_AT], half);
     a.long_from = cfg[LONG_FROM];
     if (a.long_from >= 0) {
-      a.cos_long = table(cos_long, "cos_long");
-      a.sin_long = table(sin_long, "sin_long");
+      a.cos_long = table(cos_sin, cfg[LONG_AT], half);
+      a.sin_long = table(cos_sin, cfg[LONG_AT] + cfg[SIN_AT], half);
     }
     a.by_token = cfg[BY_TOKEN] != 0;
-    TVM_FFI_CHECK(a.cos.s_col != 0 && (!a.by_token || (a.cos.rows >= a.T && a.sin.rows >= a.T)), ValueError)
-        << "cos/sin: a row per token";
-    if (cfg[MROPE] != 0) {
-      TVM_FFI_CHECK(kind_of(freq_row.dtype()) == rp::I32 && freq_row.ndim() == 1 && freq_row.size(0) == a.r / 2 &&
-                    freq_row.stride(0) == 1 && a.pos_rows == 3, ValueError) << "MRoPE: freq_row int32 [r/2]";
-      a.freq_row = reinterpret_cast<const int32_t*>(base(freq_row));
-      for (int64_t i = 0; i < a.r / 2; ++i)
-        TVM_FFI_CHECK(a.freq_row[i] >= 0 && a.freq_row[i] < 3, ValueError) << "freq_row values in [0, 3)";
-    } else {
-      TVM_FFI_CHECK(a.pos_rows == 1 || a.by_token, ValueError) << "[3, T] positions: MRoPE or cos/sin by token";
-    }
+    TVM_FFI_CHECK(!a.by_token || a.cos.rows >= a.T, ValueError) << "cos/sin: a row per token";
+    a.freq_row = reinterpret_cast<const int32_t*>(cfg[MROPE_ROWS_PTR]);
+    TVM_FFI_CHECK(a.pos_rows == (a.freq_row != nullptr ? 3 : 1) || a.by_token, ValueError)
+        << "[3, T] positions: MRoPE rows or cos/sin by token";
   }
   return RUN(a);
 }
