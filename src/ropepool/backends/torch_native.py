@@ -53,6 +53,8 @@ def _table(freqs, scaling: float, top: int):
     """The rotation's table, rows for positions up to at least ``top``; None past the bound (computed per call)."""
     key = (freqs.numpy().tobytes(), scaling)
     have = _TABLES.get(key)
+    if have is None and len(_TABLES) >= 64:
+        drop_tables()
     n = 0 if have is None else have.shape[0]
     if n > top:
         return have

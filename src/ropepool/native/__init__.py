@@ -47,7 +47,7 @@ def _load():
                       "Fix: install a C++ compiler (g++ or clang++) and run `pip install -e .` (or `pip install "
                       "ropepool`) again")
     try:
-        import tvm_ffi
+        tvm_ffi = _import_tvm_ffi()
     except ImportError:
         return None, ("native CPU kernel needs apache-tvm-ffi, which is not installed; using the general torch "
                       "code. Fix: pip install 'ropepool[torch]'")
@@ -56,3 +56,19 @@ def _load():
     except Exception as e:  # a build for another tvm-ffi, a broken file
         return None, (f"native CPU kernel {path} did not load ({type(e).__name__}: {e}); using the general torch "
                       "code. Fix: reinstall ropepool (`pip install -e .` in a checkout) against this apache-tvm-ffi")
+
+
+def _import_tvm_ffi():
+    """``import tvm_ffi``, without the ml_dtypes it imports where installed (0.7 s on a 2-core VM, more than the
+    rest of a first call: docs/native.md). tvm-ffi then maps no ml_dtypes NumPy dtypes, which ropepool never hands
+    it (torch tensors only); ml_dtypes stays importable as before."""
+    if "tvm_ffi" in sys.modules or "ml_dtypes" in sys.modules:
+        import tvm_ffi
+
+        return tvm_ffi
+    sys.modules["ml_dtypes"] = None  # (an ImportError inside, which tvm-ffi catches)
+    try:
+        import tvm_ffi
+    finally:
+        del sys.modules["ml_dtypes"]
+    return tvm_ffi
