@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import ropepool
-from ropepool.backends import dsa_store, torch_cpu_compiled
+from ropepool.backends import dsa_store
 from ropepool.backends.torch_arrays import TorchOps
 from ropepool.cli.bench import environment
 from ropepool.reference import dsa as reference_dsa
@@ -41,9 +41,6 @@ INDEXER_ROPE = ropepool.RopeSpec(head_dim=128, rotary_dim=64, max_position_embed
 GEOMETRIES = {"ds_mla": {"dsv32-tp8": 16}, "indexer": {"dsv32": 64}}  # q heads
 BLOCK = 64  # FlashMLA's sparse block size
 MAX_POS = 4096
-# Runs with ROPEPOOL_CPU_COMPILE=off (ropepool's CPU path without its inductor-compiled rotation) are cells of
-# their own: the geometry's name says so.
-LABEL = "-compile-off" if torch_cpu_compiled.mode() == "off" else ""
 
 
 def table(spec):
@@ -167,19 +164,17 @@ def run(tokens, rounds, pool_blocks):
                         times[name].append((time.process_time_ns() - t) / 1e3 / n[name])
                 for name, us in times.items():
                     q1, med, q3 = np.percentile(us, [25, 50, 75])
-                    rows.append({"feature": feature, "geometry": geometry + LABEL, "tokens": T, "provider": name,
+                    rows.append({"feature": feature, "geometry": geometry, "tokens": T, "provider": name,
                                  "mode": "eager", "us": med, "spread_pct": 100 * (q3 - q1) / med, "rounds": us})
                     print(f"{feature} {geometry} T={T} {name}: {med:.1f} us (IQR {100 * (q3 - q1) / med:.1f}%)")
     return rows
 
 
 def batch_size(fn, sets, cache, cos_sin, budget_s=0.05):
-    """Calls per timed batch; first a warm-up until no graph of ropepool's CPU path compiles in the background
-    (torch_cpu_compiled: a layout's graph compiles after a few calls, on a thread whose CPU time would count)."""
+    """Calls per timed batch, after a warm-up."""
     for _ in range(3):
         for s in sets * 4:
             fn(s, cache, cos_sin)
-        torch_cpu_compiled.wait()
     t = time.process_time()
     fn(sets[0], cache, cos_sin)
     return int(min(500, max(4, budget_s / max(time.process_time() - t, 1e-6))))

@@ -4,8 +4,9 @@
 
 Each run is a new Python process that imports torch (timed apart: the user's import, not ropepool's),
 makes a 5-token float32 call's tensors (Llama-3-8B heads), then times ``import ropepool`` plus the first
-call, and the second call. It prints the median and min-max of the runs; ``--out`` writes the record (a
-new file; an existing one is refused).
+call, and the second call; then the process CPU time of the first 200 calls of a bf16 one-token decode
+layout (a new layout in the process) and of 200 steady calls of it (after 500 more). It prints the median
+and min-max of the runs; ``--out`` writes the record (a new file; an existing one is refused).
 """
 import argparse
 import json
@@ -31,8 +32,26 @@ ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D, num_qo_heads=H
 t3 = time.perf_counter()
 ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv)
 t4 = time.perf_counter()
-print(json.dumps({"import_torch_s": t1 - t0, "first_call_s": t3 - t2, "second_call_s": t4 - t3}))
+q, k, v = (x[:1].to(torch.bfloat16) for x in (q, k, v))
+kp, vp = kp.to(torch.bfloat16), vp.to(torch.bfloat16)
+def calls(n):
+    t = time.process_time()
+    for i in range(n):
+        ropepool.rope_pool_fused(q, k, v, pos[:1], slots[:1], kp, vp, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv)
+    return time.process_time() - t
+first200 = calls(200)
+calls(500)
+print(json.dumps({"import_torch_s": t1 - t0, "first_call_s": t3 - t2, "second_call_s": t4 - t3,
+                  "first_200_cpu_s": first200, "steady_200_cpu_s": calls(200)}))
 """
+
+
+def native_isa():
+    """Which build of the native CPU kernel runs (None: none, the general torch code)."""
+    from ropepool import native
+
+    kernel = native.kernel()
+    return None if kernel is None else kernel.isa()
 
 
 def main() -> int:
@@ -48,6 +67,9 @@ def main() -> int:
     first = [r["first_call_s"] for r in runs]
     print(f"import ropepool + first call: median {statistics.median(first):.3f} s "
           f"({min(first):.3f}-{max(first):.3f}, {len(runs)} fresh processes)")
+    ratio = [r["first_200_cpu_s"] / r["steady_200_cpu_s"] for r in runs]
+    print(f"CPU time of the first 200 bf16 one-token calls / 200 steady ones: median {statistics.median(ratio):.2f} "
+          f"({min(ratio):.2f}-{max(ratio):.2f})")
     if a.out:
         import torch
 
@@ -57,7 +79,7 @@ def main() -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
         env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
                "ropepool": ropepool.__version__, "device": "cpu", "cpu": cpu_name(),
-               "compile": os.environ.get("ROPEPOOL_CPU_COMPILE", "on"), "commit": commit.strip() or None}
+               "native": native_isa(), "commit": commit.strip() or None}
         if a.note:
             env["note"] = a.note
         with open(a.out, "w") as f:

@@ -1,4 +1,5 @@
-"""Adversarial slots and positions for `compute-sanitizer --tool memcheck python benchmarks/memcheck.py`.
+"""Adversarial slots and positions for `compute-sanitizer --tool memcheck python benchmarks/memcheck.py`,
+and (``--cpu``) for the native CPU kernel built with AddressSanitizer (.ci/sanitize).
 
 Out-of-range and negative slots, and positions outside a CosSinCache (past
 it, negative, huge; MRoPE rows too), straight into the kernel: the public
@@ -10,14 +11,21 @@ format), DeepSeek V3.2's fp8_ds_mla and indexer caches, vLLM's tiled AMX
 layout, each pool or output a view inside a larger buffer whose other bytes
 are canaries. The sanitizer
 must report no invalid access; the canaries must be intact; no token whose
-slot or position is bad may write.
+slot or position is bad may write. On CPU the public call checks every value
+before anything runs, so ``--cpu`` hands them to the bound runner instead (the
+call checked on valid values first, as tests/harness.py's ``bypass``): the native
+kernel must raise before it writes, the general torch code (the QK norm,
+per-token-head caches) masks them.
 """
+import sys
+
 import torch
 
 import ropepool
-from ropepool import CosSinCache, RopeSpec
+from ropepool import CosSinCache, RopePoolError, RopeSpec, plan
+from ropepool.checks import validate
 
-DEV = "cuda"
+DEV = "cpu" if "--cpu" in sys.argv else "cuda"
 T, Hq, Hkv, D, P, MAX_POS = 512, 8, 2, 128, 64, 4096
 # Duplicated in-range slots (7, 7) are a caller's bug: they race, but stay inside the pool.
 BAD_SLOTS = [P, P + 1, 10**9, 2**62, -1, -(2**62), 7, 7, 0, P - 1]
@@ -40,6 +48,36 @@ def in_canaries(shape, dtype=torch.bfloat16):
     return big[n: 2 * n].view(shape), big
 
 
+def sync():
+    if DEV == "cuda":
+        sync()
+
+
+def fused(q, k, v, positions, slots, k_pool, v_pool, **kw):
+    """rope_pool_fused; on CPU the runner of the call checked on valid values, given these."""
+    if DEV == "cuda":
+        return ropepool.rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, **kw)
+    call = validate.check(q, k, v, torch.zeros_like(positions), torch.full_like(slots, -1), k_pool, v_pool, **kw)
+    arrays = (q, k, v, positions, slots, k_pool, v_pool, kw.get("q_out"), kw.get("k_out"))
+    return _bypassed(call, q, arrays)
+
+
+def latent(q_pe, k_pe, kv_c, positions, slots, ckv, kpe, **kw):
+    """rope_latent_fused, as ``fused``."""
+    if DEV == "cuda":
+        return ropepool.rope_latent_fused(q_pe, k_pe, kv_c, positions, slots, ckv, kpe, **kw)
+    call = validate.check_latent(q_pe, k_pe, kv_c, torch.zeros_like(positions), torch.full_like(slots, -1), ckv, kpe,
+                                 **kw)
+    return _bypassed(call, q_pe, (q_pe, k_pe, kv_c, positions, slots, kpe, ckv, None, None))
+
+
+def _bypassed(call, q, arrays):
+    try:
+        return plan.make(call, q).bind(*arrays)(*arrays)
+    except RopePoolError as e:  # the native kernel: raised before it wrote (the canaries and pools say so)
+        print(f"  raised: {str(e)[:80]}")
+
+
 def check_canaries(name, big, before):
     """Bytes compared (fp8 tensors have no comparison ops)."""
     big, before = big.view(torch.uint8), before.view(torch.uint8)
@@ -54,10 +92,10 @@ def pools_case(kv_layout, layers, rope, positions):
     shape = ((layers,) if layers else ()) + one
     (k_pool, k_big), (v_pool, v_big) = in_canaries(shape), in_canaries(shape)
     before = (k_big.clone(), v_big.clone())
-    ropepool.rope_pool_fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D,
+    fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D,
                              num_qo_heads=Hq, num_kv_heads=Hkv, rope=rope, kv_layout=kv_layout,
                              layer=-1 if layers else None)
-    torch.cuda.synchronize()
+    sync()
     name = f"layout {kv_layout or 'flat'}{' layer-stacked' if layers else ''} rope {type(rope).__name__}"
     check_canaries(name + " k", k_big, before[0])
     check_canaries(name + " v", v_big, before[1])
@@ -69,9 +107,9 @@ def latent_case(rope, positions):
     k_pe, kv_c = torch.randn(T, 64, device=DEV).bfloat16(), torch.randn(T, 512, device=DEV).bfloat16()
     cache, big = in_canaries((P // 16, 16, 576), torch.float8_e4m3fn)
     before = big.clone()
-    ropepool.rope_latent_fused(q_pe, k_pe, kv_c, positions, repeat(BAD_SLOTS, T), cache[..., :512], cache[..., 512:],
+    latent(q_pe, k_pe, kv_c, positions, repeat(BAD_SLOTS, T), cache[..., :512], cache[..., 512:],
                                rope=rope, kv_layout="NHD", scale=0.05)
-    torch.cuda.synchronize()
+    sync()
     check_canaries(f"MLA {type(rope).__name__}", big, before)
     print(f"MLA latent cache, rope {type(rope).__name__}: no write outside the caches")
 
@@ -87,10 +125,10 @@ def fp8_norm_case(rope, positions):
     bigs = (k_big, v_big, q_big, ko_big)
     before = [b.clone() for b in bigs]
     norm = ropepool.QKNorm(torch.rand(D, device=DEV), torch.rand(D, device=DEV), weight_offset=1.0)
-    ropepool.rope_pool_fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D, num_qo_heads=64,
+    fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D, num_qo_heads=64,
                              num_kv_heads=Hkv, rope=rope, k_scale=0.5, v_scale=0.5, q_out=q_out, q_scale=0.5,
                              k_out=k_out, k_out_scale=0.5, qk_norm=norm)
-    torch.cuda.synchronize()
+    sync()
     for name, big, b in zip(("k pool", "v pool", "q out", "k out"), bigs, before):
         check_canaries(f"fp8 + QK-norm rope {type(rope).__name__} {name}", big, b)
     print(f"fp8 pools, fp8 q/k out, QK-norm, rope {type(rope).__name__}: no write outside them")
@@ -104,9 +142,9 @@ def per_token_head_case(positions, dtype):
     (k_sc, ks_big), (v_sc, vs_big) = (in_canaries((P // 16, 16, Hkv), torch.float32) for _ in range(2))
     bigs = (k_big, v_big, ks_big, vs_big)
     before = [b.clone() for b in bigs]
-    ropepool.rope_pool_fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D, num_qo_heads=64,
+    fused(q, k, v, positions, repeat(BAD_SLOTS, T), k_pool, v_pool, head_dim=D, num_qo_heads=64,
                              num_kv_heads=Hkv, kv_layout="NHD", k_scale_cache=k_sc, v_scale_cache=v_sc)
-    torch.cuda.synchronize()
+    sync()
     for name, big, b in zip(("k pool", "v pool", "k scales", "v scales"), bigs, before):
         check_canaries(f"per-token-head {dtype} {name}", big, b)
     print(f"per-token-head {dtype} pools and scale caches: no write outside them")
@@ -176,7 +214,7 @@ def table_positions_never_write():
     kp, vp = (torch.randn(T, Hkv, D, device=DEV).bfloat16() for _ in range(2))
     before = kp.clone()
     pos = repeat(BAD_POSITIONS, T)
-    ropepool.rope_pool_fused(q, k, v, pos, torch.arange(T, device=DEV), kp, vp, head_dim=D, num_qo_heads=Hq,
+    fused(q, k, v, pos, torch.arange(T, device=DEV), kp, vp, head_dim=D, num_qo_heads=Hq,
                              num_kv_heads=Hkv, rope=CosSinCache(table(D)))
     changed = set((kp != before).flatten(1).any(1).nonzero().flatten().tolist())
     good = set(((pos >= 0) & (pos < MAX_POS)).nonzero().flatten().tolist())

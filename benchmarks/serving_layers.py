@@ -28,7 +28,6 @@ import gc, json, logging, sys, time
 import torch
 from ropepool.cli import demo
 from ropepool.integrations import transformers as rp
-from ropepool.backends import torch_cpu_compiled
 
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
 dtype, runs, families = getattr(torch, sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
@@ -62,7 +61,6 @@ for family in families:
         rp.enable(model)
         f = replay()
         rp.disable(model)
-        torch_cpu_compiled.wait()
         if i >= 2:
             plain.append(p)
             fused.append(f)

@@ -13,7 +13,6 @@ the record (a new file; an existing one is refused).
 """
 import argparse
 import json
-import os
 import platform
 import random
 import subprocess
@@ -151,7 +150,7 @@ def main(argv=None):
         env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
                "ropepool": ropepool.__version__, "mlx": getattr(mx, "__version__", None),
                "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-               "ROPEPOOL_CPU_COMPILE": os.environ.get("ROPEPOOL_CPU_COMPILE", "on"), "commit": commit.strip(),
+               "commit": commit.strip(),
                "note": args.note}
         record = dict(env=env, soak=dict(seconds=args.seconds, seed=args.seed, warm_up=warm, calls=n,
                                          calls_by_framework=counts, samples=samples))

@@ -31,9 +31,6 @@ if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     ctypes.CDLL(None).mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
 
 
-# The CPU path's inductor-compiled rotation costs seconds to compile per dtype: off in the suite,
-# on in tests/test_cpu_path.py's test of it.
-os.environ.setdefault("ROPEPOOL_CPU_COMPILE", "off")
 
 
 # The quick subset for contributors, `python -m pytest -q -m "not slow"` (README): these modules compile graphs

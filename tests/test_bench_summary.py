@@ -123,7 +123,7 @@ def test_overwritten_record_is_read_at_its_last_write(recs):
 NOT_MEASURED = {"paths"}
 
 
-@pytest.mark.parametrize("kind,entry", [("cpu", "torch_cpu"), ("mlx", "mlx")])
+@pytest.mark.parametrize("kind,entry", [("cpu", "torch_native"), ("mlx", "mlx")])
 def test_code_paths_cover_the_path(kind, entry):
     """Every backend module the CPU / MLX path imports (transitively, within backends/) is in its
     CODE_PATHS, so a change to the math it runs marks its records stale (†)."""

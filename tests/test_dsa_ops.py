@@ -31,14 +31,14 @@ LAYOUTS = {"flat": (None, None, (21,), lambda c: c[:, None]),
 
 @pytest.fixture(params=["torch", "torch-general", "triton"])
 def backend(request, monkeypatch):
-    """The torch backend: on CPU its fast lane (torch_cpu), and (torch-general) the general code, torch_eager,
+    """The torch backend: on CPU its native kernel (torch_native), and (torch-general) the general code, torch_eager,
     which runs these calls on other devices; the Triton kernel (fp8_ds_mla only; on CPU under its interpreter)."""
     from ropepool import backends, plan
     from tests.harness import backend_for
 
     plan.forget()  # no runner of the other variant from the layout cache
     if request.param == "torch-general":
-        monkeypatch.setattr(backends, "BACKENDS", tuple(b for b in backends.BACKENDS if b.module != ".torch_cpu"))
+        monkeypatch.setattr(backends, "BACKENDS", tuple(b for b in backends.BACKENDS if b.module != ".torch_native"))
     return backend_for(request.param.split("-")[0])
 
 

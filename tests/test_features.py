@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ropepool import CosSinCache, QKNorm, RopeSpec
+from ropepool import CosSinCache, QKNorm, RopePoolError, RopeSpec, native
 from tests.harness import (
     TOL,
     Cache,
@@ -174,7 +174,9 @@ def test_cos_sin_cache(backend, name, dtype, rng):
 @pytest.mark.parametrize("name", ["neox-full-f32", "gptj-partial-bf16", "neox-mrope-chunked"])
 def test_positions_outside_the_table(backend, name, rng):
     """Validation bypassed (as on CUDA): a token whose position is outside the table (negative, past
-    it, huge; MRoPE: any of its rows) is rotated by zero and writes nothing; the others are exact."""
+    it, huge; MRoPE: any of its rows) is rotated by zero and writes nothing; the others are exact. The CPU
+    kernel (torch on CPU) checks every value itself and raises validation's error before it writes
+    (tests/test_native.py checks the pools keep every byte)."""
     D, rope = table_rope(name)
     T = 8
     bad = np.array([MAX_POSITION, -1, 2**31 - 1, -(2**31), 5, MAX_POSITION - 1, 0, 10**9])
@@ -182,6 +184,10 @@ def test_positions_outside_the_table(backend, name, rng):
         bad = np.stack([bad, np.roll(bad, 1) % MAX_POSITION, np.full(T, 7)])
         bad[2, 4] = MAX_POSITION + 3  # one bad row is enough
     slots = make_slots(rng, T, 2 * T, skip_every=0)
+    if backend.name == "torch" and backend.device == "cpu" and native.kernel() is not None:
+        with pytest.raises(RopePoolError, match="positions must be"):
+            call(backend, rng, "float32", T, 3, 2, D, positions=bad, slots=slots, rope=rope, bypass=True)
+        return
     res = call(backend, rng, "float32", T, 3, 2, D, positions=bad, slots=slots, rope=rope, bypass=True)
     skipped = ~((bad >= 0) & (bad < MAX_POSITION)).reshape(-1, T).all(0)
     assert skipped.sum() >= 4

@@ -154,21 +154,20 @@ def test_many_rotations_stay_in_the_cpu_tables_bound(monkeypatch):
     """RopeSpecs of 200 bases at positions up to 12,000: the CPU path's cos/sin tables never exceed their
     bound in bytes (a tight one here, 4 MB), and the equal specs of every later pass share the first
     pass's tables."""
-    from ropepool.backends import torch_cpu
+    from ropepool.backends import torch_native
 
-    monkeypatch.setattr(torch_cpu, "_TABLE_BYTES", 4 << 20)
-    torch_cpu._drop_tables()
+    monkeypatch.setattr(torch_native, "_TABLE_BYTES", 4 << 20)
+    torch_native.drop_tables()
     plan.forget()
     sizes = []
     for _ in range(2):
         for base in range(200):
             _call(ropepool.RopeSpec(head_dim=D, base=1000.0 + base % 20), positions=(5, 12_000, 7))
-            sizes.append(sum(t.nbytes for tables in torch_cpu._TABLES.values() for pair in tables.values()
-                             for t in pair))
-            assert torch_cpu._table_bytes[0] == sizes[-1]
+            sizes.append(sum(t.nbytes for pair in torch_native._TABLES.values() for t in pair))
+            assert torch_native._table_bytes[0] == sizes[-1]
     assert max(sizes) <= 4 << 20, max(sizes)
-    assert len(torch_cpu._TABLES) <= 20
-    torch_cpu._drop_tables()
+    assert len(torch_native._TABLES) <= 20
+    torch_native.drop_tables()
 
 
 def test_decode_loop_stays_flat():

@@ -113,8 +113,12 @@ def _triton_why_not(q) -> str | None:
     return f"tensors are on {q.device}; the Triton kernel needs CUDA (or CPU with TRITON_INTERPRET=1)"
 
 
-def _cpu_why_not(q) -> str | None:
-    return None if q is None or q.device.type == "cpu" else f"tensors are on {q.device}, not the CPU"
+def _native_why_not(q) -> str | None:
+    if q is not None and q.device.type != "cpu":
+        return f"tensors are on {q.device}, not the CPU"
+    from .. import native  # (loads the kernel once: tvm-ffi, which imports torch)
+
+    return native.why()
 
 
 def _mlx_why_not(q) -> str | None:
@@ -124,10 +128,11 @@ def _mlx_why_not(q) -> str | None:
 # In order of preference within a framework.
 BACKENDS = (
     Backend("triton", "torch", ".triton_op", ALL - {"pool.block.torch"}, ("cuda",), _triton_why_not),
-    # torch on CPU tensors in fewer passes; per-token-head caches, fp8 outputs, MRoPE, autograd and tracing
-    # stay on the general torch code (its fallback too, for calls it declines at run time).
-    Backend("torch", "torch", ".torch_cpu", ALL - {"mrope", "pool.per_token_head", "q_out.scaled", "k_out.scaled"}
-            - BLOCK - TORCH, ("cpu",), _cpu_why_not, fallback=".torch_eager"),
+    # torch on CPU tensors: one call of the compiled kernel (backends/torch_native.py, ropepool/native); the QK
+    # norm, per-token-head caches, block-quantized and DeepSeek V3.2's caches, autograd and tracing stay on the
+    # general torch code (its fallback too, for layouts it declines at bind time).
+    Backend("torch", "torch", ".torch_native", ALL - {"norm", "pool.per_token_head"} - BLOCK - DSA - TORCH,
+            ("cpu",), _native_why_not, fallback=".torch_eager"),
     Backend("torch", "torch", ".torch_eager", ALL),
     Backend("mlx", "mlx", ".mlx", ALL - {"pool.per_token_head", "q_out.scaled", "k_out.scaled"} - TORCH - DSA - LAYOUT,
             why_not=_mlx_why_not, refuse=_functional),

@@ -35,16 +35,7 @@ Paths counted now (keep this list in step):
   call, and once per trace of the compiled graph (so a compiled call that
   really reuses its graph does not add one).
 - ``mlx.block_store``: an MLX call wrote block-quantized (tuple) pools (NVFP4, affine);
-- ``torch_cpu.write``: the CPU path wrote one pool (k or v) with torch ops;
-- ``torch_cpu.one_token``: a one-token CPU call took ``Fast.one_token``'s
-  lane (fused q/k view, table rows as views, a copy_ per pool row);
-- ``torch_cpu.compiled_one_token``: a one-token CPU call ran in one call of
-  inductor's code (``torch_cpu_compiled.one_token``: rotation and both pools);
-- ``torch_cpu.compiled_step``: a CPU call rotated q and k in inductor's
-  compiled step (``torch_cpu_compiled``);
-- ``torch_cpu.compiled_write``: that step also wrote both pools.
-- ``torch_cpu.few``: a CPU call of few rows, q and k apart, rotated them as one tensor by torch ops
-  (``Fast.run``'s few lane; its pools count as ``torch_cpu.write``).
+- ``torch_native.call``: a CPU call ran in one call of the native kernel (backends/torch_native.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Torch's side of the array math: ``TorchOps``, and a plan's extras as torch tensors.
 
-Every torch backend (torch_eager, torch_cpu, the Triton launcher) reads the
+Every torch backend (torch_eager, torch_native, the Triton launcher) reads the
 plan's extra arrays (``plan.Extras``) through ``extras`` here: frequencies
 made once per device, float scales as float32 tensors.
 """

@@ -1,8 +1,8 @@
 """The PyTorch path: the array math of ``arraymath`` on torch tensors, for any torch device.
 
 It is the general torch implementation and the fallback of the CPU lane
-(``torch_cpu``, which takes the calls its registry row declares, in fewer
-passes). On a GPU the boolean mask of valid slots makes it synchronise with
+(``torch_native``, the compiled kernel, which takes the calls its registry row
+declares). On a GPU the boolean mask of valid slots makes it synchronise with
 the device; the Triton kernel does not. Pools are written in place through
 views.
 """

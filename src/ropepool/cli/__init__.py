@@ -140,7 +140,7 @@ def env_report() -> int:
     from ..backends import BACKENDS
 
     print(f"python {platform.python_version()} on {platform.machine()}")
-    for name in ("ropepool", "numpy", "torch", "triton", "mlx", "transformers"):
+    for name in ("ropepool", "numpy", "torch", "apache-tvm-ffi", "triton", "mlx", "transformers"):
         try:
             print(f"  {name:<13} {md.version(name)}")
         except md.PackageNotFoundError:
@@ -151,6 +151,10 @@ def env_report() -> int:
         cuda = torch.cuda.is_available()
         print(f"  cuda          {torch.cuda.get_device_name() if cuda else 'not available'}")
         q = torch.empty(0, device="cuda" if cuda else "cpu")
+        from .. import native
+
+        kernel = native.kernel()
+        print(f"  native CPU    {kernel.isa() + ' build' if kernel is not None else native.why()}")
     except ImportError:
         q = None
     print("backends (in order of preference):")

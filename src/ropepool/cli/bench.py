@@ -15,7 +15,6 @@ floor. ``benchmarks/bench.py`` runs it; ``ropepool bench`` too.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -212,8 +211,6 @@ def main(argv=None):
     cuda = device.type == "cuda"
     if a.threads or not cuda:
         torch.set_num_threads(a.threads or 1)
-    if not cuda:  # the CPU path's compiled step in the first call of a layout, not in the background while timed
-        os.environ.setdefault("ROPEPOOL_CPU_COMPILE", "sync")
     dtype = getattr(torch, a.dtype)
     geometries = a.geometries or (list(GEOMETRIES) if cuda else ["llama3-8b"])
     tokens = a.tokens or (TOKENS if cuda else (1, 16, 256, 4096))

@@ -205,10 +205,8 @@ class Comparison:
 def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prompt_lengths=PROMPT_LENGTHS,
             repeats: int = 5, advance=lambda: None, model=None, config=None) -> Comparison:
     """One family through transformers' batching as shipped and through ropepool, in turn: one untimed run
-    of each (it fills caches and starts the compiles the CPU path runs in the background, which are waited
-    for), then ``repeats`` timed runs of each, interleaved, on the same model and prompts. ``model``,
-    ``config``: another model than the family's small one (demo_scale.py), its batching config."""
-    from ..backends import torch_cpu_compiled
+    of each (it fills caches), then ``repeats`` timed runs of each, interleaved, on the same model and prompts.
+    ``model``, ``config``: another model than the family's small one (demo_scale.py), its batching config."""
     from ..integrations import transformers as rp
 
     model = model if model is not None else build_model(family, dtype=dtype, device=device)
@@ -218,15 +216,13 @@ def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prom
     # that takes about a second. Freezing what exists now (nothing here is garbage) makes it instant.
     gc.freeze()
     plain, fused = [], []
-    for i in range(repeats + 1):
+    for _ in range(repeats + 1):
         plain.append(run_batch(model, prompts, new_tokens, config, advance))
         rp.enable(model)
         try:
             fused.append(run_batch(model, prompts, new_tokens, config, advance))
         finally:
             rp.disable(model)
-        if i == 0:
-            torch_cpu_compiled.wait()
     return Comparison(family, str(model.dtype).rsplit(".", 1)[-1], plain[1:], fused[1:], (plain[0], fused[0]))
 
 

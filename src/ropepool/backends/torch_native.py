@@ -1,0 +1,164 @@
+"""The torch backend on CPU tensors: one call of ropepool's compiled kernel (ropepool/native) per call.
+
+The kernel (native/rope_kernel.h) rotates q and k, writes q_rot / k_rot (new tensors, or q_out / k_out) and
+stores k_rot and v into the pools at their slots, every layout through its strides, in one pass over the tokens;
+it checks every slot and position before it writes a byte. This module only binds: it reads what a call needs
+from the plan once per layout (``cfg``: the rotation's shape, the pool layout, the stores' bounds), and hands
+over the cos/sin rows:
+
+- ropepool's frequencies: one table per rotation, a row per position (each frequency set's cos, then its sin),
+  made by torch's float32 ``cos`` / ``sin`` of ``float32(p) * inv_freq`` as ``torch_eager`` makes them (its bits,
+  docs/precision.md), grown on demand (``_TABLES``, bounded in bytes); longrope's two sets side by side, the kernel
+  picking one per call from its largest position;
+- the engine's table (``CosSinCache``) as it is, read through the rotation's weak reference;
+- where a table's rows would not be torch_eager's bits (``rotary_dim // 2`` not a multiple of 32: ATen computes
+  a tail of a tensor with libm's functions, not its vector ones), for MRoPE with ropepool's frequencies, and
+  past ``_TABLE_POSITIONS``: ``arraymath.cos_sin`` per call, as torch_eager computes them, a row per token.
+
+It takes what its registry row declares (backends/__init__.py); the row's fallback, ``torch_eager``, runs the
+rest, and what a bound layout declines (rows longer than the kernel's buffers).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import native
+from ..checks.layout import KV_LAYOUTS
+from ..checks.values import check_values
+from ..errors import RopePoolError
+from . import arraymath, paths
+from .torch_arrays import TorchOps, extras
+
+# cfg's entries, in rope_ffi.cc's order (enum Cfg); each scale: its address, size, stride and bound.
+CFG = ("rotary_dim", "gptj", "long_from", "by_token", "layer", "kv_layout", "headed", "k_kind", "sin_at", "long_at",
+       "mrope_rows_ptr") + tuple(f"{d}_{f}" for d in ("k_pool", "v_pool", "q_out", "k_out")
+                                 for f in ("scale_ptr", "scale_n", "scale_stride", "qmax"))
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MAX_DIM = 2048  # rope_kernel.h MAX_DIM
+# Tables cover positions below this (64 MB a rotation at rotary_dim 128), grown in chunks; past it, per call.
+_TABLE_POSITIONS, _TABLE_CHUNK = 1 << 17, 1 << 12
+# (frequencies' bytes, attention scaling) -> float32 [positions, sets * rotary_dim]: per frequency set its cos
+# then its sin columns; equal rotations share one. Past _TABLE_BYTES every table is dropped (regrown on demand).
+_TABLES: dict = {}
+_TABLE_BYTES = 256 << 20
+_table_bytes = [0]
+
+
+def drop_tables() -> None:
+    _TABLES.clear()
+    _table_bytes[0] = 0
+
+
+def _table(freqs, scaling: float, top: int):
+    """The rotation's table, rows for positions up to at least ``top``; None past the bound (computed per call)."""
+    key = (freqs.numpy().tobytes(), scaling)
+    have = _TABLES.get(key)
+    if have is None and len(_TABLES) >= 64:
+        drop_tables()
+    n = 0 if have is None else have.shape[0]
+    if n > top:
+        return have
+    if top >= _TABLE_POSITIONS:
+        return None
+    # As torch_eager (arraymath.cos_sin): float32(p) * inv_freq32, torch's float32 cos and sin, then the scaling.
+    ang = torch.arange(n, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK).view(-1, 1, 1) * freqs.view(1, *freqs.shape)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    new = torch.cat((cos, sin), 2).flatten(1)  # [positions, sets * (cos, sin)]
+    old = 0 if have is None else have.nbytes
+    if old + new.nbytes > _TABLE_BYTES:  # more than the bound alone
+        return None
+    if _table_bytes[0] + new.nbytes > _TABLE_BYTES:  # room made: every table dropped, this one made again
+        drop_tables()
+        return _table(freqs, scaling, top)
+    if have is not None:
+        new = torch.cat((have, new))
+    _table_bytes[0] += new.nbytes - old
+    _TABLES[key] = new  # a new tensor, then the swap: a call running keeps the old one
+    return new
+
+
+class Prepared:
+    def __init__(self, plan, fallback):
+        self.plan, self.fallback = plan, fallback
+
+    def bind(self, *arrays):
+        general = self.fallback.bind(*arrays)
+        if native.kernel() is None or max(a.shape[-1] for a in arrays[:3]) > _MAX_DIM:
+            return general
+        return Native(self.plan, arrays).run
+
+
+def prepare(plan, tuning, fallback):
+    return Prepared(plan, fallback)
+
+
+_DENSE = torch.contiguous_format
+_NONE = torch.zeros(1, 1)  # no table (a layer without RoPE): the kernel does not read it
+
+
+class Native:
+    """The runner of one plan and layout."""
+
+    def __init__(self, plan, arrays):
+        call, rot, st = plan.call, plan.call.rotation, plan.stores
+        self.call, self.rot = call, rot
+        self.fn = native.kernel().rope_pool
+        ex = extras(plan.fixed, torch.device("cpu"))
+        r, half = rot.rotary_dim, rot.rotary_dim // 2
+        geom = call.pool
+        self.freqs = ex.freqs
+        self.own = rot.table_ref is None and r > 0
+        # cos/sin per call (a row per token) where tables would not give torch_eager's bits, and for MRoPE of ours.
+        self.per_call = self.own and (half % 32 != 0 or call.position_rows == 3)
+        # Arrays the kernel reads by address (cfg): kept alive here.
+        rows = None if call.position_rows != 3 or self.own else torch.from_numpy(rot.rows.astype("int32"))
+        scales = [None if x is None else x.reshape(-1) for x in (ex.k_scale, ex.v_scale, ex.q_scale, ex.k_out_scale)]
+        if any(x is not None and x.dtype != torch.float32 for x in scales):
+            scales = [None if x is None else x.float() for x in scales]
+        self.held = (rows, scales)
+        values = dict(rotary_dim=r, gptj=int(rot.gptj), by_token=int(self.per_call),
+                      long_from=-1 if rot.long_from is None or self.per_call else rot.long_from,
+                      layer=-1 if geom.layer is None else geom.layer,
+                      kv_layout=0 if geom.kv_layout is None else 1 + KV_LAYOUTS.index(geom.kv_layout),
+                      headed=int(geom.headed), k_kind=_KINDS[arrays[1].dtype], sin_at=half, long_at=2 * half,
+                      mrope_rows_ptr=0 if rows is None else rows.data_ptr())
+        for d, store, x in zip(("k_pool", "v_pool", "q_out", "k_out"), st, scales):
+            if store.qmax:
+                values.update({f"{d}_scale_ptr": x.data_ptr(), f"{d}_scale_n": x.numel(),
+                               f"{d}_scale_stride": x.stride(0), f"{d}_qmax": store.qmax})
+        self.cfg = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
+        values.update(by_token=1, long_from=-1)  # cos/sin per call: arraymath's, longrope's set chosen there
+        self.cfg_by_token = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
+        self.table = _table(self.freqs, rot.attention_scaling, 0) if self.own and not self.per_call else _NONE
+
+    def per_token(self, positions):
+        """cos | sin ``[T, rotary_dim]`` for this call, as torch_eager computes them."""
+        return torch.cat(arraymath.cos_sin(self.rot, positions, self.freqs, None, TorchOps)[:2], 1)
+
+    def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
+        # (empty_like: ~1.4 us where torch.empty(shape, dtype=) costs ~3)
+        q_rot = torch.empty_like(q, memory_format=_DENSE) if q_out is None else q_out
+        k_rot = torch.empty_like(k, memory_format=_DENSE) if k_out is None else k_out
+        cfg, table = self.cfg, self.table
+        if self.per_call:
+            table = self.per_token(positions)
+        elif self.rot.table_ref is not None:  # the engine's table: cos half, then sin half
+            table = self.rot.table
+        done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)
+        if done > 0 and self.own:  # positions past ropepool's table (nothing written): grow it, or per call
+            grown = _table(self.freqs, self.rot.attention_scaling, done - 1)
+            if grown is None:
+                table, cfg = self.per_token(positions), self.cfg_by_token
+            else:
+                table = self.table = grown
+            done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)
+        if done != 0:  # a slot past the pool, a position outside the table (nothing written): validation's message
+            table = self.rot.table
+            check_values(positions, slots, self.call.pool_size, None if table is None else table.shape[0])
+            raise RopePoolError(f"the CPU kernel found a slot >= pool_size ({self.call.pool_size}) or a position < 0 "
+                                "or outside the cos/sin table that the value check passed; nothing was written. Fix: "
+                                "report it (a bug of ropepool's), with the call's slots and positions.")
+        paths.took("torch_native.call")
+        return q_rot, k_rot, k_pool, v_pool

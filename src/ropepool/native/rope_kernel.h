@@ -1,0 +1,338 @@
+// ropepool's CPU kernel: RoPE on q and k, and the rotated k and v written into the KV-cache pools, one call.
+// Pure C++ (no framework header): the tvm-ffi binding (rope_ffi.cc) fills ``Args`` from the arrays.
+//
+// Per the contract (docs/api.md, docs/precision.md) the arithmetic is float32 with the roundings of
+// ropepool's torch code (backends/torch_eager.py over arraymath.py): each product rounded, then the sum
+// (built with -ffp-contract=off: no fused multiply-add), one rounding to the destination's type, bf16 and fp16
+// round-to-nearest-even, fp8 as PyTorch casts (c10/util/Float8_e4m3fn.h, Float8_e5m2.h). cos/sin are not
+// computed here: the binding hands over tables made by torch's float32 functions (or the engine's table).
+//
+// Nothing is written before every slot and position is checked (``run`` validates all tokens first).
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace ropepool {
+
+enum Kind : int32_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, I32 = 5, I64 = 6 };
+
+static inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+static inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+static inline float bf16_to_f32(uint16_t x) { return float_of(static_cast<uint32_t>(x) << 16); }
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN, as c10's
+  uint32_t u = bits_of(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float f16_to_f32(uint16_t h) {  // exact
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return float_of(sign | 0x7f800000u | (m << 13));
+  if (e == 0) return float_of(sign | bits_of(static_cast<float>(m) * 5.9604644775390625e-8f));  // m * 2^-24
+  return float_of(sign | ((e + 112) << 23) | (m << 13));
+}
+// c10/util/Half.h fp16_ieee_from_fp32_value (PyTorch; from FP16 by Marat Dukhan): round to nearest even.
+static inline uint16_t f32_to_f16(float f) {
+  float base = (__builtin_fabsf(f) * float_of(0x77800000u)) * float_of(0x08800000u);
+  const uint32_t w = bits_of(f), shl1_w = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = float_of((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = bits_of(base);
+  const uint32_t nonsign = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+// c10/util/Float8_e4m3fn.h fp8e4m3fn_from_fp32_value (PyTorch): nearest even, past the range NaN (callers saturate
+// first). Each case computed, then one picked: no branch, so a loop of them vectorizes.
+static inline uint8_t f32_to_e4m3(float f) {
+  uint32_t b = bits_of(f);
+  const uint32_t sign = b & 0x80000000u;
+  b ^= sign;
+  const uint32_t subnormal = bits_of(float_of(b) + float_of(141u << 23)) - (141u << 23);
+  const uint32_t normal = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((b >> 20) & 1u)) >> 20;
+  const uint32_t r = b >= (1087u << 20) ? 0x7fu : (b < (121u << 23) ? subnormal : normal);
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+// c10/util/Float8_e5m2.h fp8e5m2_from_fp32_value.
+static inline uint8_t f32_to_e5m2(float f) {
+  uint32_t b = bits_of(f);
+  const uint32_t sign = b & 0x80000000u;
+  b ^= sign;
+  const uint32_t subnormal = bits_of(float_of(b) + float_of(134u << 23)) - (134u << 23);
+  const uint32_t normal = (b + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + ((b >> 21) & 1u)) >> 21;
+  const uint32_t big = b > 0x7f800000u ? 0x7fu : 0x7cu;
+  const uint32_t r = b >= (143u << 23) ? big : (b < (113u << 23) ? subnormal : normal);
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+// An array seen as [tokens, heads, dim] (element strides; 2-D arrays: one head).
+struct Rows {
+  char* p = nullptr;
+  int32_t kind = F32;
+  int64_t heads = 0, dim = 0, s_tok = 0, s_head = 0, s_dim = 1;
+};
+
+// A pool seen as its layer's [pages, page_size, heads, dim] (element strides); tiled (vLLM's AMX cache): each
+// (page, head) block of page_size x dim is stored in tt x td tiles, token-major or feature-major.
+struct Pool {
+  char* p = nullptr;
+  int32_t kind = F32;
+  int64_t pages = 0, page_size = 1, heads = 0, dim = 0, s_page = 0, s_row = 0, s_head = 0, s_dim = 1;
+  int32_t tiled = 0;  // 0: none; 1: token-major tiles; 2: feature-major tiles
+  int64_t tt = 1, td = 1;
+};
+
+// A float32 / bf16 / fp16 table [rows, half] (cos or sin).
+struct Table {
+  const char* p = nullptr;
+  int32_t kind = F32;
+  int64_t rows = 0, s_row = 0, s_col = 1;
+};
+
+// A destination's store: plain (its kind), or fp8 holding x / scale saturated to +-qmax.
+struct Scale {
+  const float* p = nullptr;  // nullptr: plain
+  int64_t n = 0, s = 1;      // 1: per tensor; else one per head
+  float qmax = 0.f;
+};
+
+struct Args {
+  int64_t T = 0, r = 0;  // tokens; rotary_dim (0: no rotation)
+  bool gptj = false;
+  Rows q, k, v, q_out, k_out;
+  int32_t k_kind = F32;  // k's own type: a pool stores k_rot rounded to it
+  const char* pos = nullptr;
+  int32_t pos_kind = I64;
+  int64_t pos_rows = 1, pos_s_row = 0, pos_s = 1;  // [T] or MRoPE's [3, T]
+  const int32_t* freq_row = nullptr;               // MRoPE: each frequency's position row (nullptr: row 0)
+  const char* slots = nullptr;
+  int32_t slot_kind = I64;
+  int64_t slot_s = 1;
+  Pool k_pool, v_pool;
+  Scale k_pool_scale, v_pool_scale, q_out_scale, k_out_scale;
+  Table cos, sin, cos_long, sin_long;  // cos_long.p: longrope's tables, used from long_from
+  int64_t long_from = -1;
+  bool by_token = false;  // the tables hold a row per token (computed for this call), not per position
+};
+
+// What ``run`` returns: 0 done; BAD_VALUE a slot past the pool or a negative position (nothing written; the
+// binding raises the validation's message); n > 0: the tables need rows for positions < n (nothing written).
+constexpr int64_t BAD_VALUE = -1;
+
+
+#define ROPEPOOL_INLINE static inline __attribute__((always_inline))
+
+constexpr int64_t MAX_DIM = 2048;  // the longest row (the binding declines longer ones)
+
+ROPEPOOL_INLINE float round_to(int32_t kind, float x) {  // x as stored in a kind (float32: itself)
+  if (kind == BF16) return bf16_to_f32(f32_to_bf16(x));
+  if (kind == F16) return f16_to_f32(f32_to_f16(x));
+  return x;
+}
+
+ROPEPOOL_INLINE int64_t index_at(const char* p, int32_t kind, int64_t i) {
+  return kind == I32 ? reinterpret_cast<const int32_t*>(p)[i] : reinterpret_cast<const int64_t*>(p)[i];
+}
+
+// n elements of a row (element stride s) as float32 (exact).
+ROPEPOOL_INLINE void load(const char* p, int32_t kind, int64_t s, int64_t n, float* __restrict out) {
+  if (kind == F32) {
+    const float* x = reinterpret_cast<const float*>(p);
+    if (s == 1) for (int64_t i = 0; i < n; ++i) out[i] = x[i];
+    else for (int64_t i = 0; i < n; ++i) out[i] = x[i * s];
+  } else {
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(p);
+    if (kind == BF16) {
+      if (s == 1) for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i]);
+      else for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i * s]);
+    } else {
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(x[i * s]);
+    }
+  }
+}
+
+// Element i of a row of n at p (stride s): where ``store`` writes it. Tiled pools go through ``at``.
+struct Dest {
+  char* p;
+  int32_t kind;
+  int64_t s;
+  int64_t esize;
+  // tiled: (row in page, tile geometry); tile == 0: plain strided
+  int32_t tile = 0;
+  int64_t row = 0, rows = 1, dim = 0, tt = 1, td = 1;
+  inline int64_t at(int64_t i) const {  // element offset of feature i
+    if (tile == 0) return i * s;
+    if (tile == 1)  // token-major: block [rows / tt, dim / td, tt, td]
+      return ((row / tt) * (dim / td) + i / td) * tt * td + (row % tt) * td + i % td;
+    return ((i / td) * (rows / tt) + row / tt) * td * tt + (i % td) * tt + row % tt;  // [dim/td, rows/tt, td, tt]
+  }
+};
+
+// ``x`` (n floats) stored at d: rounded to d's kind, or (scale given) x / scale saturated to +-qmax, as fp8.
+ROPEPOOL_INLINE void store(const Dest& d, int64_t n, const float* __restrict x, const Scale& sc, int64_t head) {
+  if (sc.p != nullptr) {
+    const float scale = sc.p[sc.n == 1 ? 0 : head * sc.s], qmax = sc.qmax;
+    alignas(64) float y[MAX_DIM];
+    for (int64_t i = 0; i < n; ++i) {
+      const float t = x[i] / scale;
+      y[i] = t < -qmax ? -qmax : (t > qmax ? qmax : t);  // (NaN stays NaN, as torch.clamp)
+    }
+    uint8_t* o = reinterpret_cast<uint8_t*>(d.p);
+    if (d.tile == 0 && d.s == 1) {
+      if (d.kind == E4M3) for (int64_t i = 0; i < n; ++i) o[i] = f32_to_e4m3(y[i]);
+      else for (int64_t i = 0; i < n; ++i) o[i] = f32_to_e5m2(y[i]);
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[d.at(i)] = d.kind == E4M3 ? f32_to_e4m3(y[i]) : f32_to_e5m2(y[i]);
+    }
+    return;
+  }
+  if (d.kind == F32) {
+    float* o = reinterpret_cast<float*>(d.p);
+    if (d.tile == 0 && d.s == 1) for (int64_t i = 0; i < n; ++i) o[i] = x[i];
+    else for (int64_t i = 0; i < n; ++i) o[d.at(i)] = x[i];
+  } else if (d.kind == BF16) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(d.p);
+    if (d.tile == 0 && d.s == 1) for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(x[i]);
+    else for (int64_t i = 0; i < n; ++i) o[d.at(i)] = f32_to_bf16(x[i]);
+  } else {
+    uint16_t* o = reinterpret_cast<uint16_t*>(d.p);
+    for (int64_t i = 0; i < n; ++i) o[d.at(i)] = f32_to_f16(x[i]);
+  }
+}
+
+ROPEPOOL_INLINE int64_t esize(int32_t kind) { return kind == F32 ? 4 : (kind == BF16 || kind == F16) ? 2 : 1; }
+
+ROPEPOOL_INLINE Dest row_of(const Rows& x, int64_t t, int64_t h) {
+  return Dest{x.p + (t * x.s_tok + h * x.s_head) * esize(x.kind), x.kind, x.s_dim, esize(x.kind)};
+}
+
+ROPEPOOL_INLINE Dest pool_row(const Pool& p, int64_t slot, int64_t h) {
+  const int64_t page = slot / p.page_size, row = slot % p.page_size, e = esize(p.kind);
+  if (p.tiled == 0) return Dest{p.p + (page * p.s_page + row * p.s_row + h * p.s_head) * e, p.kind, p.s_dim, e};
+  return Dest{p.p + (page * p.s_page + h * p.s_head) * e, p.kind, 1, e, p.tiled, row, p.page_size, p.dim, p.tt,
+              p.td};
+}
+
+// x (D floats) with its first r features rotated by c, s (r/2 each) into y.
+ROPEPOOL_INLINE void rotate(const float* __restrict x, const float* __restrict c, const float* __restrict s,
+                            int64_t D, int64_t r, bool gptj, float* __restrict y) {
+  const int64_t h = r / 2;
+  if (gptj) {
+    for (int64_t i = 0; i < h; ++i) {
+      const float x1 = x[2 * i], x2 = x[2 * i + 1];
+      y[2 * i] = x1 * c[i] - x2 * s[i];
+      y[2 * i + 1] = x1 * s[i] + x2 * c[i];
+    }
+  } else {
+    for (int64_t i = 0; i < h; ++i) {
+      const float x1 = x[i], x2 = x[i + h];
+      y[i] = x1 * c[i] - x2 * s[i];
+      y[i + h] = x1 * s[i] + x2 * c[i];
+    }
+  }
+  for (int64_t i = r; i < D; ++i) y[i] = x[i];
+}
+
+ROPEPOOL_INLINE void table_row(const Table& tb, const Args& a, int64_t t, const int64_t* rows_pos, float* out) {
+  const int64_t h = a.r / 2;
+  if (a.freq_row == nullptr) {
+    load(tb.p + rows_pos[0] * tb.s_row * esize(tb.kind), tb.kind, tb.s_col, h, out);
+    return;
+  }
+  for (int64_t i = 0; i < h; ++i)  // MRoPE: each frequency from its row's position
+    load(tb.p + (rows_pos[a.freq_row[i]] * tb.s_row + i * tb.s_col) * esize(tb.kind), tb.kind, 1, 1, out + i);
+  (void)t;
+}
+
+ROPEPOOL_INLINE int64_t run_body(const Args& a) {
+  const int64_t pool_size = a.k_pool.pages * a.k_pool.page_size;
+  int64_t top = -1;
+  for (int64_t t = 0; t < a.T; ++t) {  // every value checked before anything is written
+    if (index_at(a.slots, a.slot_kind, t * a.slot_s) >= pool_size) return BAD_VALUE;
+    for (int64_t j = 0; j < a.pos_rows; ++j) {
+      const int64_t p = index_at(a.pos, a.pos_kind, j * a.pos_s_row + t * a.pos_s);
+      if (p < 0) return BAD_VALUE;
+      top = p > top ? p : top;
+    }
+  }
+  const bool use_long = a.long_from >= 0 && top >= a.long_from;
+  const Table& cos = use_long ? a.cos_long : a.cos;
+  const Table& sin = use_long ? a.sin_long : a.sin;
+  if (a.r > 0 && !a.by_token && (top >= cos.rows || top >= sin.rows)) return top + 1;
+
+  const int64_t D = a.q.dim, Dv = a.v.dim, r = a.r;
+  alignas(64) float c[MAX_DIM / 2], s[MAX_DIM / 2], x[MAX_DIM], y[MAX_DIM], z[MAX_DIM];
+  for (int64_t t = 0; t < a.T; ++t) {
+    if (r > 0) {
+      int64_t rows_pos[3] = {t, t, t};
+      if (!a.by_token)
+        for (int64_t j = 0; j < a.pos_rows; ++j) rows_pos[j] = index_at(a.pos, a.pos_kind, j * a.pos_s_row + t * a.pos_s);
+      table_row(cos, a, t, rows_pos, c);
+      table_row(sin, a, t, rows_pos, s);
+    }
+    for (int64_t h = 0; h < a.q.heads; ++h) {
+      const Dest src = row_of(a.q, t, h);
+      load(src.p, src.kind, src.s, D, x);
+      rotate(x, c, s, D, r, a.gptj, y);
+      store(row_of(a.q_out, t, h), D, y, a.q_out_scale, h);
+    }
+    const int64_t slot = index_at(a.slots, a.slot_kind, t * a.slot_s);
+    for (int64_t h = 0; h < a.k.heads; ++h) {
+      const Dest src = row_of(a.k, t, h);
+      load(src.p, src.kind, src.s, D, x);
+      rotate(x, c, s, D, r, a.gptj, y);
+      store(row_of(a.k_out, t, h), D, y, a.k_out_scale, h);
+      if (slot < 0) continue;
+      if (a.k_pool_scale.p != nullptr && a.k_kind != F32) {  // the pool stores k_rot as rounded to k's type
+        for (int64_t i = 0; i < D; ++i) z[i] = round_to(a.k_kind, y[i]);
+        store(pool_row(a.k_pool, slot, h), D, z, a.k_pool_scale, h);
+      } else {
+        store(pool_row(a.k_pool, slot, h), D, y, a.k_pool_scale, h);
+      }
+    }
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < a.v.heads; ++h) {
+      const Dest src = row_of(a.v, t, h), dst = pool_row(a.v_pool, slot, h);
+      if (a.v_pool_scale.p == nullptr && src.kind == dst.kind && src.s == 1 && dst.s == 1 && dst.tile == 0) {
+        std::memcpy(dst.p, src.p, Dv * src.esize);
+        continue;
+      }
+      load(src.p, src.kind, src.s, Dv, x);
+      store(dst, Dv, x, a.v_pool_scale, h);
+    }
+  }
+  return 0;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) static int64_t run_avx512(const Args& a) {
+  return run_body(a);
+}
+__attribute__((target("avx2"))) static int64_t run_avx2(const Args& a) { return run_body(a); }
+#endif
+static int64_t run_base(const Args& a) { return run_body(a); }
+
+using Runner = int64_t (*)(const Args&);
+
+// The build for this CPU, picked once (x86-64: AVX-512, AVX2 or the baseline; elsewhere the compiler's own).
+static inline Runner pick() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+    return run_avx512;
+  if (__builtin_cpu_supports("avx2")) return run_avx2;
+#endif
+  return run_base;
+}
+
+static inline const char* isa_name(Runner f) {
+#if defined(__x86_64__)
+  if (f == run_avx512) return "avx512";
+  if (f == run_avx2) return "avx2";
+#endif
+  (void)f;
+  return "baseline";
+}
+
+}  // namespace ropepool
