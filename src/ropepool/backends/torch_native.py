@@ -66,12 +66,15 @@ def _table(freqs, scaling: float, top: int):
     if scaling != 1.0:
         cos, sin = cos * scaling, sin * scaling
     new = torch.cat((cos, sin), 2).flatten(1)  # [positions, sets * (cos, sin)]
-    if _table_bytes[0] + new.nbytes > _TABLE_BYTES:
+    old = 0 if have is None else have.nbytes
+    if old + new.nbytes > _TABLE_BYTES:  # more than the bound alone
+        return None
+    if _table_bytes[0] + new.nbytes > _TABLE_BYTES:  # room made: every table dropped, this one made again
         drop_tables()
-        return _table(freqs, scaling, top) if new.nbytes <= _TABLE_BYTES and n else None
+        return _table(freqs, scaling, top)
     if have is not None:
         new = torch.cat((have, new))
-    _table_bytes[0] += new.nbytes - (0 if have is None else have.nbytes)
+    _table_bytes[0] += new.nbytes - old
     _TABLES[key] = new  # a new tensor, then the swap: a call running keeps the old one
     return new
 

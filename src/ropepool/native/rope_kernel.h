@@ -42,21 +42,15 @@ static inline uint16_t f32_to_f16(float f) {
   const uint32_t nonsign = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
 }
-// c10/util/Float8_e4m3fn.h fp8e4m3fn_from_fp32_value: nearest even, past the range NaN (callers saturate first).
+// c10/util/Float8_e4m3fn.h fp8e4m3fn_from_fp32_value (PyTorch): nearest even, past the range NaN (callers saturate
+// first). Each case computed, then one picked: no branch, so a loop of them vectorizes.
 static inline uint8_t f32_to_e4m3(float f) {
   uint32_t b = bits_of(f);
   const uint32_t sign = b & 0x80000000u;
   b ^= sign;
-  uint8_t r;
-  if (b >= (1087u << 20)) {
-    r = 0x7f;
-  } else if (b < (121u << 23)) {
-    r = static_cast<uint8_t>(bits_of(float_of(b) + float_of(141u << 23)) - (141u << 23));
-  } else {
-    const uint32_t odd = (b >> 20) & 1u;
-    b += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + odd;
-    r = static_cast<uint8_t>(b >> 20);
-  }
+  const uint32_t subnormal = bits_of(float_of(b) + float_of(141u << 23)) - (141u << 23);
+  const uint32_t normal = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((b >> 20) & 1u)) >> 20;
+  const uint32_t r = b >= (1087u << 20) ? 0x7fu : (b < (121u << 23) ? subnormal : normal);
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 // c10/util/Float8_e5m2.h fp8e5m2_from_fp32_value.
@@ -64,16 +58,10 @@ static inline uint8_t f32_to_e5m2(float f) {
   uint32_t b = bits_of(f);
   const uint32_t sign = b & 0x80000000u;
   b ^= sign;
-  uint8_t r;
-  if (b >= (143u << 23)) {
-    r = b > 0x7f800000u ? 0x7f : 0x7c;
-  } else if (b < (113u << 23)) {
-    r = static_cast<uint8_t>(bits_of(float_of(b) + float_of(134u << 23)) - (134u << 23));
-  } else {
-    const uint32_t odd = (b >> 21) & 1u;
-    b += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + odd;
-    r = static_cast<uint8_t>(b >> 21);
-  }
+  const uint32_t subnormal = bits_of(float_of(b) + float_of(134u << 23)) - (134u << 23);
+  const uint32_t normal = (b + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + ((b >> 21) & 1u)) >> 21;
+  const uint32_t big = b > 0x7f800000u ? 0x7fu : 0x7cu;
+  const uint32_t r = b >= (143u << 23) ? big : (b < (113u << 23) ? subnormal : normal);
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 
@@ -134,6 +122,8 @@ constexpr int64_t BAD_VALUE = -1;
 
 #define ROPEPOOL_INLINE static inline __attribute__((always_inline))
 
+constexpr int64_t MAX_DIM = 2048;  // the longest row (the binding declines longer ones)
+
 ROPEPOOL_INLINE float round_to(int32_t kind, float x) {  // x as stored in a kind (float32: itself)
   if (kind == BF16) return bf16_to_f32(f32_to_bf16(x));
   if (kind == F16) return f16_to_f32(f32_to_f16(x));
@@ -182,11 +172,17 @@ struct Dest {
 ROPEPOOL_INLINE void store(const Dest& d, int64_t n, const float* __restrict x, const Scale& sc, int64_t head) {
   if (sc.p != nullptr) {
     const float scale = sc.p[sc.n == 1 ? 0 : head * sc.s], qmax = sc.qmax;
-    uint8_t* o = reinterpret_cast<uint8_t*>(d.p);
+    alignas(64) float y[MAX_DIM];
     for (int64_t i = 0; i < n; ++i) {
-      float y = x[i] / scale;
-      y = y < -qmax ? -qmax : (y > qmax ? qmax : y);  // (NaN stays NaN, as torch.clamp)
-      o[d.at(i)] = d.kind == E4M3 ? f32_to_e4m3(y) : f32_to_e5m2(y);
+      const float t = x[i] / scale;
+      y[i] = t < -qmax ? -qmax : (t > qmax ? qmax : t);  // (NaN stays NaN, as torch.clamp)
+    }
+    uint8_t* o = reinterpret_cast<uint8_t*>(d.p);
+    if (d.tile == 0 && d.s == 1) {
+      if (d.kind == E4M3) for (int64_t i = 0; i < n; ++i) o[i] = f32_to_e4m3(y[i]);
+      else for (int64_t i = 0; i < n; ++i) o[i] = f32_to_e5m2(y[i]);
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[d.at(i)] = d.kind == E4M3 ? f32_to_e4m3(y[i]) : f32_to_e5m2(y[i]);
     }
     return;
   }
@@ -216,8 +212,6 @@ ROPEPOOL_INLINE Dest pool_row(const Pool& p, int64_t slot, int64_t h) {
   return Dest{p.p + (page * p.s_page + h * p.s_head) * e, p.kind, 1, e, p.tiled, row, p.page_size, p.dim, p.tt,
               p.td};
 }
-
-constexpr int64_t MAX_DIM = 2048;  // the longest row (the binding declines longer ones)
 
 // x (D floats) with its first r features rotated by c, s (r/2 each) into y.
 ROPEPOOL_INLINE void rotate(const float* __restrict x, const float* __restrict c, const float* __restrict s,
