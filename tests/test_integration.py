@@ -146,7 +146,9 @@ def test_generate_batch_through_ropepool_equals_transformers(family, attn_implem
     assert sorted(id(c["layer"]) for c in spy.op_calls) == sorted(id(x) for x in layers.values())
     # (on CPU the rotation as the model's cos/sin table, model.cpu_table)
     assert all(c["rope"] is cpu_table(c["layer"].rope, 0) and c["norm"] is c["layer"].norm for c in spy.op_calls)
-    assert (family in ("qwen3", "gemma3")) == all(c["norm"] is not None for c in spy.op_calls)
+    # the q/k norm fused where the row that runs the call takes it (else transformers' own norms ran)
+    fused_norm = family in ("qwen3", "gemma3") and model_py.norm_fused(model, None)
+    assert fused_norm == all(c["norm"] is not None for c in spy.op_calls)
 
     # transformers' cache holds what ropepool wrote, where transformers writes it itself.
     shipped_cache, fused_cache = spy.caches
@@ -219,6 +221,32 @@ def test_a_step_past_the_cpu_table_grows_it_and_each_layer_rebinds(monkeypatch):
     served_both_ways(model, prompts, spy)
     tables = {id(c["rope"]) for c in spy.op_calls}
     assert len(tables) == 2 and len(spy.op_calls) == 2 * len(attention_layers(model))
+
+
+@pytest.mark.parametrize("row_takes_norm", [False, True])
+def test_the_norm_is_fused_only_where_the_fastest_row_takes_it(row_takes_norm, monkeypatch):
+    """Qwen3 on CPU: where the native kernel's row does not take the q/k norm, transformers' own norms run and every
+    layer's call is the kernel's (RoPE and the write); where the rows agree (the pick faked here), the norm is
+    ropepool's, in that call. The tokens are transformers' either way."""
+    from ropepool import backends
+    from ropepool.backends import paths
+
+    if backends.pick("torch", torch.empty(0)).module != ".torch_native":
+        pytest.skip("the native CPU kernel is not built here")
+    if row_takes_norm:
+        monkeypatch.setattr(model_py, "pick", lambda *args: "the same row")
+    else:  # (as the kernel's row is today; the test stays one of this case once it takes the norm)
+        monkeypatch.setattr(backends, "BACKENDS", tuple(dataclasses.replace(b, supports=b.supports - {"norm"})
+                                                        if b.module == ".torch_native" else b
+                                                        for b in backends.BACKENDS))
+    model = demo.build_model("qwen3")
+    prompts = demo.make_prompts(model.config.vocab_size, PROMPT_LENGTHS)
+    spy = Spy(model, monkeypatch)
+    with paths.counting() as seen:
+        served_both_ways(model, prompts, spy)
+    assert spy.op_calls and all((c["norm"] is not None) == row_takes_norm for c in spy.op_calls)
+    if not row_takes_norm:
+        assert seen["torch_native.call"] == len(spy.calls) > 0  # every layer call: one call of the kernel
 
 
 def test_unhosted_models_are_refused():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...backends import pick
 from ...errors import RopePoolError
 from ...rotation.norm import QKNorm
 from ...rotation.spec import CosSinCache, RopeSpec
@@ -60,7 +61,22 @@ def read_model(model, backend: str | None) -> dict:
             f"cannot host this {model_type} model: config.num_hidden_layers is {config.num_hidden_layers} but "
             f"{len(modules)} attention modules were found. Fix: load the model from its own config.")
     specs = RopeSpec.for_layers(config)  # Gemma 3's sliding and full layers rotate with different bases
-    return {m: Layer(m.layer_idx, specs[m.layer_idx], QKNorm.from_hf_attention(m), backend) for m in modules}
+    fuse = norm_fused(model, backend)
+    return {m: Layer(m.layer_idx, specs[m.layer_idx], QKNorm.from_hf_attention(m) if fuse else None, backend)
+            for m in modules}
+
+
+def norm_fused(model, backend: str | None) -> bool:
+    """Whether ropepool's call also takes the layers' q/k norm on the model's device and dtype: only where the row
+    that runs the call without it (``backends.pick``) takes it too. Where the norm would move the call to another
+    row (the CPU kernel without a norm: to the general torch code, several times its cost), transformers' own
+    ``q_norm``/``k_norm`` run as shipped and ropepool's call is RoPE and the write."""
+    weight = next(model.parameters())
+    x = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    try:
+        return pick("torch", x, backend, frozenset({"norm"})) is pick("torch", x, backend)
+    except RopePoolError:  # no row runs here (a backend named for another device): the first call says so
+        return True
 
 
 _TABLES: dict = {}  # RopeSpec -> CosSinCache: its float32 cos|sin rows (CPU), shared by equal rotations
