@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ropepool import RopeSpec
+from ropepool import RopePoolError, RopeSpec, native
 from tests.harness import (
     FLOATS,
     assert_same_bits,
@@ -186,7 +186,8 @@ def test_out_of_range_slots_never_written(backend, idx, layers, rng):
 
     The call is checked on valid slots, then its runner gets adversarial
     ones. The pool sits between the other layers of a stack, or is surrounded
-    by canary rows of a bigger tensor (torch); none may change.
+    by canary rows of a bigger tensor (torch); none may change. The CPU kernel
+    (torch on CPU) raises validation's error before it writes.
     """
     T, Hq, Hkv, D, P = 12, 3, 2, 64, 16
     bad = np.array([P, P + 1, 2 * P, np.iinfo(idx).max, -1, -P - 1, np.iinfo(idx).min, 3, 5, 3 * P, -2,
@@ -195,4 +196,11 @@ def test_out_of_range_slots_never_written(backend, idx, layers, rng):
     if backend.framework == "torch" and layers is None:  # canary rows around the pool, in one tensor
         cache.owners = [randn(rng, P + 8, Hkv, D) for _ in range(2)]
         cache.views = lambda o: (o[0][4: 4 + P], o[1][4: 4 + P])
+    if backend.name == "torch" and backend.device == "cpu" and native.kernel() is not None:
+        # The CPU kernel checks every slot itself: validation's error, before it writes (every byte kept).
+        before = [np.array(o, copy=True) for o in cache.owners]  # (NumPy until run_checked converts them)
+        with pytest.raises(RopePoolError, match="slots must be < pool_size"):
+            run_checked(backend, *qkv(rng, T, Hq, Hkv, D, "float32"), make_positions(rng, T), bad, cache, bypass=True)
+        assert all(np.array_equal(b, backend.numpy(o), equal_nan=True) for b, o in zip(before, cache.owners))
+        return
     run_checked(backend, *qkv(rng, T, Hq, Hkv, D, "float32"), make_positions(rng, T), bad, cache, bypass=True)
