@@ -202,3 +202,15 @@ def test_no_figures_in_prose(doc, heading):
 def test_figure_rule_sees_figures():
     assert measured_figures("takes 1.3-2.6 µs and 91% of copy, 5.0x at 4,096") == ["2.6 µs", "91%", "5.0x"]
     assert measured_figures("target: >= 90% of copy, at most 2.6 µs\n`1.5x` ```\n3 µs\n```") == []
+
+
+def test_cpp_code_reads_the_same_from_git_and_the_working_tree():
+    """The kernel's C++ files are compared as text: `git show` drops the trailing newline a file on disk keeps, so
+    without stripping both every CPU record read as changed since (†) in any checkout."""
+    assert bench_records._stripped("int x;\n") == bench_records._stripped("int x;")
+    head = bench_records._git("rev-parse", "HEAD")
+    path = "src/ropepool/native/rope_kernel.h"
+    if head is None or bench_records._git("diff", "--quiet", "HEAD", "--", path) is None:
+        pytest.skip("no git checkout here, or the kernel changed in the working tree")
+    assert bench_records._stripped(bench_records._git("show", f"HEAD:{path}")) == \
+        bench_records._stripped((ROOT / path).read_text())

@@ -25,7 +25,8 @@ import ropepool  # noqa: E402
 from ropepool.cli import demo
 from ropepool.integrations import transformers as rp
 from ropepool.integrations.transformers import attention, paged
-from ropepool.integrations.transformers.model import attention_layers
+from ropepool.integrations.transformers import model as model_py
+from ropepool.integrations.transformers.model import attention_layers, cpu_table
 from tests.torch_fixtures import backend, rng  # noqa: F401,E402
 
 NEW_TOKENS = 6
@@ -143,8 +144,11 @@ def test_generate_batch_through_ropepool_equals_transformers(family, attn_implem
     # Each layer's runner was bound by a rope_pool_fused call with that layer's own rotation and norm.
     # and only that first call: every later step called the runner directly (one layout per layer and cache).
     assert sorted(id(c["layer"]) for c in spy.op_calls) == sorted(id(x) for x in layers.values())
-    assert all(c["rope"] is c["layer"].rope and c["norm"] is c["layer"].norm for c in spy.op_calls)
-    assert (family in ("qwen3", "gemma3")) == all(c["norm"] is not None for c in spy.op_calls)
+    # (on CPU the rotation as the model's cos/sin table, model.cpu_table)
+    assert all(c["rope"] is cpu_table(c["layer"].rope, 0) and c["norm"] is c["layer"].norm for c in spy.op_calls)
+    # the q/k norm fused where the row that runs the call takes it (else transformers' own norms ran)
+    fused_norm = family in ("qwen3", "gemma3") and model_py.norm_fused(model, None)
+    assert fused_norm == all(c["norm"] is not None for c in spy.op_calls)
 
     # transformers' cache holds what ropepool wrote, where transformers writes it itself.
     shipped_cache, fused_cache = spy.caches
@@ -186,6 +190,63 @@ def test_a_wrong_rotation_is_caught(monkeypatch):
         wrong = ropepool.RopeSpec(head_dim=layer.rope.head_dim, base=layer.rope.base * 1.01)
         monkeypatch.setitem(attention._LAYERS, module, dataclasses.replace(layer, rope=wrong))
     assert max_gap(generate_batch(model, prompts), shipped) > 10 * LOGPROB_TOL
+
+
+def test_cpu_table_is_the_rotation_grown_past_the_largest_position():
+    spec = ropepool.RopeSpec(head_dim=16, base=1e6, scaling={"rope_type": "linear", "factor": 2.0})
+    table = cpu_table(spec, 10)
+    assert isinstance(table, ropepool.CosSinCache) and table.max_position == model_py._TABLE_ROWS
+    assert cpu_table(ropepool.RopeSpec(head_dim=16, base=1e6, scaling={"rope_type": "linear", "factor": 2.0}),
+                     model_py._TABLE_ROWS - 1) is table  # equal rotations share it while it covers the step
+    pos = torch.arange(model_py._TABLE_ROWS, dtype=torch.float64)[:, None]
+    ang = pos * torch.from_numpy(spec.inv_freq)[None, :]
+    torch.testing.assert_close(table.cos_sin_cache.double(), torch.cat((ang.cos(), ang.sin()), 1), rtol=0,
+                               atol=1e-3)  # float32 angles of positions up to 4096 (as ropepool computes them)
+    grown = cpu_table(spec, model_py._TABLE_ROWS)
+    assert grown is not table and grown.max_position == 2 * model_py._TABLE_ROWS
+    assert torch.equal(grown.cos_sin_cache[:model_py._TABLE_ROWS], table.cos_sin_cache)
+    # longrope switches frequency sets by a call's largest position, MRoPE takes 3 rows: no table stands for them
+    mrope = ropepool.RopeSpec(head_dim=16, mrope_section=(2, 3, 3))
+    assert cpu_table(mrope, 10) is mrope
+
+
+def test_a_step_past_the_cpu_table_grows_it_and_each_layer_rebinds(monkeypatch):
+    """Positions past the model's table (16 rows here; prompts of 20 tokens) grow it; each layer's runner, bound to
+    the old table, is bound anew (its guard compares the table): the tokens stay transformers' own."""
+    monkeypatch.setattr(model_py, "_TABLE_ROWS", 16)
+    monkeypatch.setattr(model_py, "_TABLES", {})
+    model = demo.build_model("llama")
+    prompts = demo.make_prompts(model.config.vocab_size, PROMPT_LENGTHS)
+    spy = Spy(model, monkeypatch)
+    served_both_ways(model, prompts, spy)
+    tables = {id(c["rope"]) for c in spy.op_calls}
+    assert len(tables) == 2 and len(spy.op_calls) == 2 * len(attention_layers(model))
+
+
+@pytest.mark.parametrize("row_takes_norm", [False, True])
+def test_the_norm_is_fused_only_where_the_fastest_row_takes_it(row_takes_norm, monkeypatch):
+    """Qwen3 on CPU: where the native kernel's row does not take the q/k norm, transformers' own norms run and every
+    layer's call is the kernel's (RoPE and the write); where the rows agree (the pick faked here), the norm is
+    ropepool's, in that call. The tokens are transformers' either way."""
+    from ropepool import backends
+    from ropepool.backends import paths
+
+    if backends.pick("torch", torch.empty(0)).module != ".torch_native":
+        pytest.skip("the native CPU kernel is not built here")
+    if row_takes_norm:
+        monkeypatch.setattr(model_py, "pick", lambda *args: "the same row")
+    else:  # (as the kernel's row is today; the test stays one of this case once it takes the norm)
+        monkeypatch.setattr(backends, "BACKENDS", tuple(dataclasses.replace(b, supports=b.supports - {"norm"})
+                                                        if b.module == ".torch_native" else b
+                                                        for b in backends.BACKENDS))
+    model = demo.build_model("qwen3")
+    prompts = demo.make_prompts(model.config.vocab_size, PROMPT_LENGTHS)
+    spy = Spy(model, monkeypatch)
+    with paths.counting() as seen:
+        served_both_ways(model, prompts, spy)
+    assert spy.op_calls and all((c["norm"] is not None) == row_takes_norm for c in spy.op_calls)
+    if not row_takes_norm:
+        assert seen["torch_native.call"] == len(spy.calls) > 0  # every layer call: one call of the kernel
 
 
 def test_unhosted_models_are_refused():

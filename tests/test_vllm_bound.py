@@ -103,6 +103,28 @@ def test_values_are_checked_on_bound_calls(checked):
     assert len(calls) == 1  # the bound runner's value checks refused them, not a checked call
 
 
+def test_unpadded_calls_hand_the_engine_tensors_to_the_runner(checked):
+    """Without padding the bound runner gets vLLM's own q, k, v and positions (no views made per call); padded rows
+    (more queries than slots) are still cut off, and stay untouched."""
+    calls, original = checked
+    gen = torch.Generator().manual_seed(10)
+    rope, table = tables(gen)  # (held here: the CosSinCache holds it weakly)
+    kv_a = cache(gen, torch.float32)
+    kv_b = kv_a.clone()
+    holder = types.SimpleNamespace()
+    both(original, holder, inputs(gen, torch.float32, 5), kv_a, kv_b, "cpu", rope, None)
+    bound, seen = holder._ropepool_bound, []
+    holder._ropepool_bound = (*bound[:4], lambda *a: seen.append(a) or bound[4](*a), *bound[5:])
+    q, k, v, pos, slots = inputs(gen, torch.float32, 5)
+    q, k = q.clone(), k.clone()  # strided as both() gives them: the layout bound
+    rv.layer_rope_and_cache(holder, q, k, v, pos, kv_a, slots, layout="cpu", rope=rope)
+    assert [x is y for x, y in zip(seen[0][:5], (q, k, v, pos, slots))] == [True] * 5
+    kv_b = kv_a.clone()
+    q, k, v, pos, _ = inputs(gen, torch.float32, 7)  # 7 rows, 5 slots: the engine's padding
+    both(original, holder, (q, k, v, pos, inputs(gen, torch.float32, 5)[4]), kv_a, kv_b, "cpu", rope, None)
+    assert seen[1][0].shape[0] == 5 and len(calls) == 1  # (the bound runner took both)
+
+
 def test_what_the_runner_may_not_take_is_checked(checked):
     """Broken on purpose, one at a time: without the cache's identity in the bound key the new cache stayed
     untouched (written into the old one); without the rope's, the new table went unused; without the token

@@ -84,8 +84,8 @@ def _stripped(src: str) -> str:
     """The syntax tree of ``src`` without docstrings (comments are not in it)."""
     try:
         tree = ast.parse(src)
-    except SyntaxError:
-        return src
+    except SyntaxError:  # the kernel's C++: as text, without the trailing newline `git show` drops
+        return src.strip()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body

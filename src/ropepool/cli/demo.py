@@ -238,10 +238,10 @@ def _tok_s(runs) -> str:
 # Why ropepool can lose a model here: what is measured is the whole serving step.
 WHY_SLOWER = {
     "cpu": "these models are tiny (hidden size 64, 2-3 layers), so a step is host time: per layer, ropepool's "
-           "one call (a dozen small torch ops and the Python around them) still costs more CPU time than "
-           "transformers' eager norm, RoPE and cache write that it replaces, small ops too, each a few "
-           "microseconds within a step whatever its size (benchmarks/serving_layers.py measures the difference "
-           "per layer and step); the fused call pays off where the rows are many or on a GPU",
+           "one call (one native kernel call, the Python around it and the rows read back for attention) "
+           "replaces transformers' eager RoPE and cache write, small ops of a few microseconds each, and a "
+           "shared machine moves single runs by more than that difference (benchmarks/serving_layers.py measures "
+           "it per layer and step)",
     "cuda": "on a GPU a step of few tokens is host-bound (the tiny models' steps always are): the layer's "
             "time is its Python and launches, and one ropepool call replaces a few small kernels there",
 }

@@ -40,6 +40,7 @@ from ...api import rope_pool_fused
 from ...checks.values import check_values
 from ...errors import RopePoolError
 from . import latent, paged
+from .model import cpu_table
 
 # Implementations continuous batching may run that this module hosts; the wrappers are registered
 # for those the installed transformers has ("paged|sdpa" exists up to 5.2x).
@@ -102,7 +103,7 @@ def fused_step(layer, cache, query, key, value, kwargs):
     return q_rot.transpose(0, 1).unsqueeze(0), kv.read(old, k_rot, v)
 
 
-_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Layer -> (layout, k_pool, v_pool, runner)
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Layer -> (layout, k_pool, v_pool, rope, runner)
 
 
 def run_layer(layer, q, k, v, kv) -> tuple:
@@ -113,24 +114,27 @@ def run_layer(layer, q, k, v, kv) -> tuple:
     the layout cache's lookup (~13 us a call on CPU, measured, against a step of ~35): ``layout`` and the
     step's ``kv.layout`` hold what that lookup's guard compares (dtypes, sizes but the token count, strides of
     every array; the pools are the very views bound, paged.py keeps one per layer and cache), and the slot and
-    position values are checked as the lookup checks them, once per step (values.STEP)."""
+    position values are checked as the lookup checks them, once per step (values.STEP). On CPU the rotation is
+    the model's cos/sin table (``model.cpu_table``: rows made once, not per layer), the same object until a step
+    reaches past its rows."""
     pos, slots, k_pool, v_pool = kv.positions, kv.slots, kv.k_pool, kv.v_pool
+    rope = cpu_table(layer.rope, kv.top) if q.device.type == "cpu" else layer.rope
     layout = (q.dtype, q.shape[1:], q.stride(), k.dtype, k.shape[1:], k.stride(), v.dtype, v.shape[1:], v.stride(),
               kv.layout)
     bound = _BOUND.get(layer)
-    if bound is not None and bound[0] == layout and bound[1] is k_pool and bound[2] is v_pool:
+    if bound is not None and bound[0] == layout and bound[1] is k_pool and bound[2] is v_pool and bound[3] is rope:
         check_values(pos, slots, k_pool.shape[0])
-        return bound[3](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
-    keywords = dict(head_dim=q.shape[-1], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=layer.rope,
+        return bound[4](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
+    keywords = dict(head_dim=q.shape[-1], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=rope,
                     qk_norm=layer.norm, backend=layer.backend)
     q_rot, k_rot, _, _ = rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, **keywords)
     # The runner that call remembered (None where the layout cache keeps none: every call then checks in full).
     scalars = plan.pool_key(keywords["head_dim"], keywords["num_qo_heads"], keywords["num_kv_heads"], 10000.0,
-                            layer.rope, None, None, None, None, None, None, layer.backend, layer.norm, None, None,
+                            rope, None, None, None, None, None, None, layer.backend, layer.norm, None, None,
                             None, None, q, k)
     runner = plan.lookup(scalars, (q, k, v, pos, slots, k_pool, v_pool, None, None))
     if runner is not None and k_pool.dtype == q.dtype and k_pool.data_ptr() != v_pool.data_ptr():
-        _BOUND[layer] = (layout, k_pool, v_pool, runner)
+        _BOUND[layer] = (layout, k_pool, v_pool, rope, runner)
     return q_rot, k_rot
 
 

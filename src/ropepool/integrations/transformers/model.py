@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from ...backends import pick
 from ...errors import RopePoolError
 from ...rotation.norm import QKNorm
-from ...rotation.spec import RopeSpec
+from ...rotation.spec import CosSinCache, RopeSpec
 from . import latent
 
 # The model types hosted, verified on transformers 5.17 and 5.25 by tests/test_integration.py. Their
@@ -58,4 +61,52 @@ def read_model(model, backend: str | None) -> dict:
             f"cannot host this {model_type} model: config.num_hidden_layers is {config.num_hidden_layers} but "
             f"{len(modules)} attention modules were found. Fix: load the model from its own config.")
     specs = RopeSpec.for_layers(config)  # Gemma 3's sliding and full layers rotate with different bases
-    return {m: Layer(m.layer_idx, specs[m.layer_idx], QKNorm.from_hf_attention(m), backend) for m in modules}
+    fuse = norm_fused(model, backend)
+    return {m: Layer(m.layer_idx, specs[m.layer_idx], QKNorm.from_hf_attention(m) if fuse else None, backend)
+            for m in modules}
+
+
+def norm_fused(model, backend: str | None) -> bool:
+    """Whether ropepool's call also takes the layers' q/k norm on the model's device and dtype: only where the row
+    that runs the call without it (``backends.pick``) takes it too. Where the norm would move the call to another
+    row (the CPU kernel without a norm: to the general torch code, several times its cost), transformers' own
+    ``q_norm``/``k_norm`` run as shipped and ropepool's call is RoPE and the write."""
+    weight = next(model.parameters())
+    x = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    try:
+        return pick("torch", x, backend, frozenset({"norm"})) is pick("torch", x, backend)
+    except RopePoolError:  # no row runs here (a backend named for another device): the first call says so
+        return True
+
+
+_TABLES: dict = {}  # RopeSpec -> CosSinCache: its float32 cos|sin rows (CPU), shared by equal rotations
+_TABLE_ROWS = 4096  # the first table's positions; then doubled past the largest position a step reaches
+
+
+def cpu_table(spec: RopeSpec, top: int):
+    """``spec``'s rotation as a CPU cos/sin table (vLLM's format: ``[positions, rotary_dim]``, cos then sin) with
+    rows for positions up to at least ``top``, or ``spec`` itself where a table cannot stand for it (no RoPE,
+    longrope's switch between frequency sets, MRoPE).
+
+    A CPU layer's call then gathers its rows (the engine-table path) instead of computing cos/sin for its
+    tokens: the step's positions are the same for every layer, so computing them per layer repeats work
+    (for rotary_dim // 2 below 32, ~20 us a layer on the dev VM, four times the kernel's own call).
+    The rows are ropepool's own rotation, float32(p) * inv_freq then cos and sin in float32 and the attention
+    scaling, as the general torch code computes them per call (docs/precision.md: within its bounds, not its
+    bits). Grown by doubling, so a model's table is at most twice the positions it served: 64 MB at 131,072
+    positions of rotary_dim 128, as the CPU kernel's own tables."""
+    rot = spec.rotation
+    if not rot.rotary_dim or rot.long_from is not None or rot.mrope_section is not None:
+        return spec
+    have = _TABLES.get(spec)
+    if have is not None and have.max_position > top:
+        return have
+    rows = _TABLE_ROWS
+    while rows <= top:
+        rows *= 2
+    ang = torch.arange(rows, dtype=torch.float32)[:, None] * torch.from_numpy(rot.freqs[0])[None, :]
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    if rot.attention_scaling != 1.0:
+        cos, sin = cos * rot.attention_scaling, sin * rot.attention_scaling
+    table = _TABLES[spec] = CosSinCache(torch.cat((cos, sin), 1), is_neox=not rot.gptj)
+    return table

@@ -41,6 +41,7 @@ class LayerKV:
     read_index: torch.Tensor  # rows attention reads ([] when the step reads nothing from the cache)
     new: torch.Tensor | None  # sliding layers that read: where read_index stands for this step's tokens
     layout: tuple  # positions' and slots' dtypes and strides (the same for every layer of the step)
+    top: int  # the step's largest position (0 without tokens)
 
     def read_before_write(self):
         """Sliding layers read the old rows first; a full-attention layer reads after the write."""
@@ -73,13 +74,14 @@ def layer_kv(cache, layer: int, kwargs: dict) -> LayerKV:
     # and _STEP keeps the last list and view alive, so no later step's can have their identities.
     writes = kwargs["write_index"]
     if _STEP[0] is not writes or _STEP[1] is not writes[0]:
-        _STEP[:] = [writes, writes[0], kwargs["position_ids"].select(0, 0), {}]
-        STEP.begin(_STEP[2])
+        pos = kwargs["position_ids"].select(0, 0)
+        _STEP[:] = [writes, writes[0], pos, {}, int(pos.max()) if pos.numel() else 0]
+        STEP.begin(pos)
     step = _STEP[3].get((group, sliding))
     if step is None:
         step = _STEP[3][(group, sliding)] = _group_step(writes[group], trash, kwargs["read_index"][group],
                                                         sentinel if sliding else None)
-    return LayerKV(k_pool, v_pool, _STEP[2], *step)
+    return LayerKV(k_pool, v_pool, _STEP[2], *step, _STEP[4])
 
 
 def _group_step(write, trash, read_index, sentinel) -> tuple:
@@ -93,7 +95,8 @@ def _group_step(write, trash, read_index, sentinel) -> tuple:
     return slots, read_index, new, (pos.dtype, pos.stride(), slots.dtype, slots.stride())
 
 
-_STEP: list = [None, None, None, {}]  # the step's write_index list, its first view, positions [T], {group: ...}
+# the step's write_index list, its first view, positions [T], {group: ...}, its largest position
+_STEP: list = [None, None, None, {}, 0]
 
 
 def _layer_of(cache, layer: int) -> tuple:
