@@ -237,13 +237,16 @@ def vllm_step(recs: Records) -> str:
                if calls == 0 else f"ropepool did {calls:.2f} calls per layer and decode step (the RoPE + KV-cache "
                f"write of each attention layer), {_call_us(r):,.0f} µs a call (median); its share is the time "
                "inside those calls over the step's.")
-    earlier = "".join(f"\n\nEarlier, `{prev.file}`: {_one_line(pd['vllm_step'])}" for prev, pd in runs[:-1])
+    shown = runs[-3:]  # the newest and the two before it; the older ones stay in docs/bench/ as history
+    earlier = "".join(f"\n\nEarlier, `{prev.file}`: {_one_line(pd['vllm_step'])}" for prev, pd in shown[:-1])
+    if len(runs) > len(shown):
+        earlier += f"\n\n{len(runs) - len(shown)} older runs: the `*-vllm-step*.json` records under docs/bench/."
     return (f"A {m['num_hidden_layers']}-layer {m['family']} (hidden {m['hidden_size']}, {m['num_attention_heads']}"
             f"/{m['num_key_value_heads']} heads, {m['dtype']}, random weights), {r['prompts']} requests decoding "
             f"{r['max_tokens']} tokens a turn, {r['rounds']} turns of each engine interleaved; a step is vLLM's "
             "`EngineCore.step` (schedule, forward, sample, update), wall time in the engine's process; tokens "
             f"{'identical' if r['tokens_match'] else 'DIFFERENT'} with and without ropepool. {verdict}\n\n"
-            + "\n".join(lines) + earlier + "\n\n" + sources(rec for rec, _ in runs))
+            + "\n".join(lines) + earlier + "\n\n" + sources(rec for rec, _ in shown))
 
 
 def _call_us(r: dict) -> float:
