@@ -59,6 +59,16 @@ if any(c.startswith("torch") for c in which):
             if norm:
                 kw["qk_norm"] = ropepool.QKNorm(torch.ones(D), torch.ones(D), eps=1e-6)
             out[name] = timed(lambda: ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, **kw))
+for T in (1, 16):  # bfloat16 at Llama-3-8B's geometry over a 65,536-row flat pool ("ropepool bench"'s)
+    name = f"torch-cpu-bf16-T{T}-pool64k"
+    if name in which:
+        import torch
+        Hq, Hkv, D = T_GEOM
+        q, k, v = (torch.randn(T, h, D, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+        kp, vp = (torch.zeros(1 << 16, Hkv, D, dtype=torch.bfloat16) for _ in range(2))
+        pos, slots = torch.arange(T) + 100, torch.arange(T) * 3
+        out[name] = timed(lambda: ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, head_dim=D, num_qo_heads=Hq,
+                                                           num_kv_heads=Hkv))
 if any(c.startswith("mlx") for c in which):
     import mlx.core as mx
     Hq, Hkv, D = T_GEOM
@@ -79,7 +89,7 @@ print(json.dumps({"ropepool": ropepool.__file__, "samples": out}))
 """
 
 CASES = ("torch-cpu-T1-fused", "torch-cpu-T1", "torch-cpu-T1-qknorm", "torch-cpu-T16", "torch-cpu-T16-qknorm",
-         "mlx-cpu-T1", "mlx-cpu-T16")
+         "torch-cpu-bf16-T1-pool64k", "torch-cpu-bf16-T16-pool64k", "mlx-cpu-T1", "mlx-cpu-T16")
 
 
 def run(src: str, cases) -> dict:
@@ -89,6 +99,15 @@ def run(src: str, cases) -> dict:
     got = json.loads(out.strip().splitlines()[-1])
     assert got["ropepool"].startswith(os.path.abspath(src)), got["ropepool"]
     return got["samples"]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def pct(xs, p):
@@ -134,7 +153,7 @@ def main() -> int:
             except Exception:
                 pass
         env = {"date": __import__("datetime").date.today().isoformat(), "machine": platform.machine(),
-               "cpu": platform.processor() or platform.machine(), **versions,
+               "cpu": cpu_name(), **versions,
                "sides": {n: {"src": src, "commit": subprocess.run(
                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=src).stdout.strip()}
                    for n, src in sides.items()},

@@ -270,6 +270,38 @@ def test_bad_values_raise_before_any_write(bad, rng, calls):
     assert calls[CALL] == 0
 
 
+@pytest.mark.parametrize("rope", ["plain", "table"])
+def test_one_token_hits_leave_values_to_the_kernel(rope, rng, calls, monkeypatch):
+    """On a layout cache hit of one token the Python value check is skipped (the kernel checks): bad values still
+    raise validation's message with every pool byte kept, a position past 2^24 still warns; several tokens are
+    still checked in Python (no slot twice)."""
+    Hq, Hkv, D, P = 2, 2, 64, 16
+    kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope=X.rope(ROPES[rope](D)))
+    q, k, v = fused_qkv(rng, 1, Hq, Hkv, D, "bfloat16")
+    kp, vp = (torch.from_numpy(randn(rng, P, Hkv, D)).to(torch.bfloat16) for _ in range(2))
+    ropepool.rope_pool_fused(q, k, v, torch.tensor([3]), torch.tensor([5]), kp, vp, **kw)  # the layout bound
+    checked = []
+    spy = validate.check_host_values
+    monkeypatch.setattr(validate, "check_host_values", lambda *a: (checked.append(a[2].numel()), spy(*a))[1])
+    ropepool.rope_pool_fused(q, k, v, torch.tensor([4]), torch.tensor([6]), kp, vp, **kw)
+    assert checked == [] and calls[CALL] == 2
+    bad = {"slots must be < pool_size": ([4], [P]), "positions must be >= 0": ([-1], [6])}
+    if rope == "table":
+        bad["positions must be < the cos/sin table's max_position"] = ([TABLE_POSITIONS], [6])
+    for message, (positions, slots) in bad.items():
+        before = [x.clone() for x in (kp, vp)]
+        with pytest.raises(RopePoolError, match=message):
+            ropepool.rope_pool_fused(q, k, v, torch.tensor(positions), torch.tensor(slots), kp, vp, **kw)
+        _same_bits(before, (kp, vp))
+    if rope == "plain":
+        with pytest.warns(RuntimeWarning, match=r"^positions above 2\^24 = 16777216 \(the largest given: 20000000\)"):
+            ropepool.rope_pool_fused(q, k, v, torch.tensor([20_000_000]), torch.tensor([6]), kp, vp, **kw)
+    q2, k2, v2 = fused_qkv(rng, 2, Hq, Hkv, D, "bfloat16")
+    with pytest.raises(RopePoolError, match="slots must be unique"):
+        ropepool.rope_pool_fused(q2, k2, v2, torch.tensor([1, 2]), torch.tensor([6, 6]), kp, vp, **kw)
+    assert checked[-1] == 2
+
+
 def test_tables_grow_and_past_their_bound(monkeypatch, rng, calls):
     """cos/sin rows of ropepool's frequencies come from a table grown by chunks as positions rise (the call that
     needs more rows writes nothing before they are there); past the bound they are computed per call. The

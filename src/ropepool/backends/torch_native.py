@@ -24,7 +24,8 @@ import torch
 
 from .. import native
 from ..checks.layout import KV_LAYOUTS
-from ..checks.values import check_values
+from ..checks.validate import check_host_values
+from ..checks.values import _PRECISE_POSITIONS, check_values
 from ..errors import RopePoolError
 from . import arraymath, paths
 from .torch_arrays import TorchOps, extras
@@ -132,6 +133,13 @@ class Native:
         values.update(by_token=1, long_from=-1)  # cos/sin per call: arraymath's, longrope's set chosen there
         self.cfg_by_token = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
         self.table = _table(self.freqs, rot.attention_scaling, 0) if self.own and not self.per_call else _NONE
+        # The layout cache skips its value check of one-token calls (plan/cache.py): the kernel finds a slot past
+        # the pool or a negative position, run raises validation's message. A position past 2^24 (the precision
+        # warning) cannot hide in ropepool's table (fewer rows: run sees it) nor in an engine's of <= 2^24 + 1
+        # rows; per-call cos/sin and no RoPE have no bound, so those runners keep the check.
+        engine = rot.table
+        self.checks_one_token_values = (self.own and not self.per_call) or (
+            engine is not None and engine.shape[0] <= _PRECISE_POSITIONS + 1)
 
     def per_token(self, positions):
         """cos | sin ``[T, rotary_dim]`` for this call, as torch_eager computes them."""
@@ -148,6 +156,8 @@ class Native:
             table = self.rot.table
         done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)
         if done > 0 and self.own:  # positions past ropepool's table (nothing written): grow it, or per call
+            if done > _PRECISE_POSITIONS + 1 and q.shape[0] == 1:  # not value-checked by the cache: its warning
+                check_host_values(self.call, positions, slots)
             grown = _table(self.freqs, self.rot.attention_scaling, done - 1)
             if grown is None:
                 table, cfg = self.per_token(positions), self.cfg_by_token
