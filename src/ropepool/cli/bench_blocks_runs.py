@@ -193,6 +193,12 @@ def demo_table(recs: Records, device: str = "cpu") -> str:
             + sources(rec for rec, _ in newest.values()))
 
 
+def _newest(runs: list, pattern: str, n: int = 3) -> tuple[list, str]:
+    """The newest ``n`` of ``runs`` (oldest first), and a line naming where the older ones are (the history)."""
+    older = len(runs) - n
+    return runs[-n:], f"\n\n{older} older runs: the `{pattern}` records under docs/bench/." if older > 0 else ""
+
+
 @block("first-call")
 def first_call(recs: Records) -> str:
     """``import ropepool`` plus the first call of a fresh process (benchmarks/first_call.py), each record, in
@@ -200,6 +206,7 @@ def first_call(recs: Records) -> str:
     runs = sorted(recs.others("*-first-call*.json"), key=lambda run: run[0].order)
     if not runs:
         return "The first call: not recorded."
+    runs, older = _newest(runs, "*-first-call*.json")
     lines = []
     for rec, d in runs:
         first = [r["first_call_s"] for r in d["first_call"]]
@@ -208,7 +215,7 @@ def first_call(recs: Records) -> str:
                      f"({min(first):.3f}-{max(first):.3f}, {len(first)} processes; `import torch` before it: "
                      f"{statistics.median(torch_s):.2f} s)")
     return ("`import ropepool` plus the first 5-token float32 call of a fresh process:\n\n" + "\n".join(lines)
-            + "\n\n" + sources(rec for rec, _ in runs))
+            + older + "\n\n" + sources(rec for rec, _ in runs))
 
 
 @block("vllm-step")
@@ -237,10 +244,8 @@ def vllm_step(recs: Records) -> str:
                if calls == 0 else f"ropepool did {calls:.2f} calls per layer and decode step (the RoPE + KV-cache "
                f"write of each attention layer), {_call_us(r):,.0f} µs a call (median); its share is the time "
                "inside those calls over the step's.")
-    shown = runs[-3:]  # the newest and the two before it; the older ones stay in docs/bench/ as history
-    earlier = "".join(f"\n\nEarlier, `{prev.file}`: {_one_line(pd['vllm_step'])}" for prev, pd in shown[:-1])
-    if len(runs) > len(shown):
-        earlier += f"\n\n{len(runs) - len(shown)} older runs: the `*-vllm-step*.json` records under docs/bench/."
+    shown, older = _newest(runs, "*-vllm-step*.json")
+    earlier = "".join(f"\n\nEarlier, `{prev.file}`: {_one_line(pd['vllm_step'])}" for prev, pd in shown[:-1]) + older
     return (f"A {m['num_hidden_layers']}-layer {m['family']} (hidden {m['hidden_size']}, {m['num_attention_heads']}"
             f"/{m['num_key_value_heads']} heads, {m['dtype']}, random weights), {r['prompts']} requests decoding "
             f"{r['max_tokens']} tokens a turn, {r['rounds']} turns of each engine interleaved; a step is vLLM's "
