@@ -14,7 +14,7 @@
 
 namespace ropepool {
 
-enum Kind : int32_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, I32 = 5, I64 = 6 };
+enum Kind : int32_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, I32 = 5, I64 = 6, F64 = 7 };
 
 static inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 static inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -89,6 +89,13 @@ struct Table {
   int64_t rows = 0, s_row = 0, s_col = 1;
 };
 
+// A norm weight [dim] (float32, bf16, fp16 or float64); p == nullptr: none (gain 1).
+struct Weight {
+  const char* p = nullptr;
+  int32_t kind = F32;
+  int64_t s = 1;
+};
+
 // A destination's store: plain (its kind), or fp8 holding x / scale saturated to +-qmax.
 struct Scale {
   const float* p = nullptr;  // nullptr: plain
@@ -113,6 +120,9 @@ struct Args {
   Table cos, sin, cos_long, sin_long;  // cos_long.p: longrope's tables, used from long_from
   int64_t long_from = -1;
   bool by_token = false;  // the tables hold a row per token (computed for this call), not per position
+  int32_t norm = 0;       // the QK norm: 0 none; 1 before the rotation; 2 after it
+  float eps = 0.f, weight_offset = 0.f;
+  Weight q_weight, k_weight;
 };
 
 // What ``run`` returns: 0 done; BAD_VALUE a slot past the pool or a negative position (nothing written; the
@@ -233,6 +243,35 @@ ROPEPOOL_INLINE void rotate(const float* __restrict x, const float* __restrict c
   for (int64_t i = r; i < D; ++i) y[i] = x[i];
 }
 
+// The norm's gain ``float32(w) + weight_offset`` (float32 arithmetic, as arraymath.normalize).
+ROPEPOOL_INLINE void gain(const Weight& w, int64_t n, float offset, float* __restrict g) {
+  if (w.kind == F64) {
+    const double* x = reinterpret_cast<const double*>(w.p);
+    for (int64_t i = 0; i < n; ++i) g[i] = static_cast<float>(x[i * w.s]);  // nearest even, as Tensor.float()
+  } else {
+    load(w.p, w.kind, w.s, n, g);
+  }
+  for (int64_t i = 0; i < n; ++i) g[i] = g[i] + offset;
+}
+
+// x (n floats) RMS-normalised in place as arraymath.normalize: ``(x * rsqrt(sum(x * x) / n + eps)) * g``, each
+// operation rounded to float32 (g == nullptr: no weight). The sum runs over 16 lanes, then halves them: a fixed
+// order on every ISA (torch's mean sums in its own vector order: a difference of float32 rounding, measured in
+// docs/precision.md), and a loop the compiler vectorizes without reassociating anything.
+ROPEPOOL_INLINE void normalize(float* __restrict x, int64_t n, float eps, const float* __restrict g) {
+  constexpr int64_t L = 16;
+  float acc[L] = {};
+  int64_t i = 0;
+  for (; i + L <= n; i += L)
+    for (int64_t j = 0; j < L; ++j) acc[j] += x[i + j] * x[i + j];
+  for (int64_t j = 0; i + j < n; ++j) acc[j] += x[i + j] * x[i + j];
+  for (int64_t w = L / 2; w >= 1; w /= 2)
+    for (int64_t j = 0; j < w; ++j) acc[j] += acc[j + w];
+  const float r = 1.0f / __builtin_sqrtf(acc[0] / static_cast<float>(n) + eps);  // torch.rsqrt: 1 / sqrt
+  if (g == nullptr) for (int64_t k = 0; k < n; ++k) x[k] = x[k] * r;
+  else for (int64_t k = 0; k < n; ++k) x[k] = (x[k] * r) * g[k];
+}
+
 ROPEPOOL_INLINE void table_row(const Table& tb, const Args& a, int64_t t, const int64_t* rows_pos, float* out) {
   const int64_t h = a.r / 2;
   if (a.freq_row == nullptr) {
@@ -261,7 +300,17 @@ ROPEPOOL_INLINE int64_t run_body(const Args& a) {
   if (a.r > 0 && !a.by_token && (top >= cos.rows || top >= sin.rows)) return top + 1;
 
   const int64_t D = a.q.dim, Dv = a.v.dim, r = a.r;
-  alignas(64) float c[MAX_DIM / 2], s[MAX_DIM / 2], x[MAX_DIM], y[MAX_DIM], z[MAX_DIM];
+  alignas(64) float c[MAX_DIM / 2], s[MAX_DIM / 2], x[MAX_DIM], y[MAX_DIM], z[MAX_DIM], gq[MAX_DIM], gk[MAX_DIM];
+  const float* q_gain = nullptr;
+  const float* k_gain = nullptr;
+  if (a.norm != 0 && a.q_weight.p != nullptr) {
+    gain(a.q_weight, D, a.weight_offset, gq);
+    q_gain = gq;
+  }
+  if (a.norm != 0 && a.k_weight.p != nullptr) {
+    gain(a.k_weight, D, a.weight_offset, gk);
+    k_gain = gk;
+  }
   for (int64_t t = 0; t < a.T; ++t) {
     if (r > 0) {
       int64_t rows_pos[3] = {t, t, t};
@@ -273,14 +322,18 @@ ROPEPOOL_INLINE int64_t run_body(const Args& a) {
     for (int64_t h = 0; h < a.q.heads; ++h) {
       const Dest src = row_of(a.q, t, h);
       load(src.p, src.kind, src.s, D, x);
+      if (a.norm == 1) normalize(x, D, a.eps, q_gain);
       rotate(x, c, s, D, r, a.gptj, y);
+      if (a.norm == 2) normalize(y, D, a.eps, q_gain);
       store(row_of(a.q_out, t, h), D, y, a.q_out_scale, h);
     }
     const int64_t slot = index_at(a.slots, a.slot_kind, t * a.slot_s);
     for (int64_t h = 0; h < a.k.heads; ++h) {
       const Dest src = row_of(a.k, t, h);
       load(src.p, src.kind, src.s, D, x);
+      if (a.norm == 1) normalize(x, D, a.eps, k_gain);
       rotate(x, c, s, D, r, a.gptj, y);
+      if (a.norm == 2) normalize(y, D, a.eps, k_gain);
       store(row_of(a.k_out, t, h), D, y, a.k_out_scale, h);
       if (slot < 0) continue;
       if (a.k_pool_scale.p != nullptr && a.k_kind != F32) {  // the pool stores k_rot as rounded to k's type
