@@ -20,37 +20,43 @@ static inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); re
 static inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
 static inline float bf16_to_f32(uint16_t x) { return float_of(static_cast<uint32_t>(x) << 16); }
+// a if c else b, as arithmetic on masks: GCC's vectorizer takes no branch (nor a select it did not make itself)
+// in a loop, so every conversion below picks its cases this way.
+static inline uint32_t pick(bool c, uint32_t a, uint32_t b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return (a & m) | (b & ~m);
+}
 static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN, as c10's
-  uint32_t u = bits_of(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t u = bits_of(f);
+  return static_cast<uint16_t>(pick((u & 0x7fffffffu) > 0x7f800000u, (u >> 16) | 0x40u,
+                                    (u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
 }
 static inline float f16_to_f32(uint16_t h) {  // exact
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0x1f) return float_of(sign | 0x7f800000u | (m << 13));
-  if (e == 0) return float_of(sign | bits_of(static_cast<float>(m) * 5.9604644775390625e-8f));  // m * 2^-24
-  return float_of(sign | ((e + 112) << 23) | (m << 13));
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  const uint32_t special = sign | 0x7f800000u | (m << 13);                                    // inf, NaN
+  const uint32_t subnormal = sign | bits_of(static_cast<float>(m) * 5.9604644775390625e-8f);  // m * 2^-24
+  const uint32_t normal = sign | ((e + 112) << 23) | (m << 13);
+  return float_of(pick(e == 0x1f, special, pick(e == 0, subnormal, normal)));
 }
 // c10/util/Half.h fp16_ieee_from_fp32_value (PyTorch; from FP16 by Marat Dukhan): round to nearest even.
 static inline uint16_t f32_to_f16(float f) {
   float base = (__builtin_fabsf(f) * float_of(0x77800000u)) * float_of(0x08800000u);
   const uint32_t w = bits_of(f), shl1_w = w + w, sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xff000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
+  const uint32_t bias = pick((shl1_w & 0xff000000u) < 0x71000000u, 0x71000000u, shl1_w & 0xff000000u);
   base = float_of((bias >> 1) + 0x07800000u) + base;
   const uint32_t b = bits_of(base);
   const uint32_t nonsign = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+  return static_cast<uint16_t>((sign >> 16) | pick(shl1_w > 0xff000000u, 0x7e00u, nonsign));
 }
 // c10/util/Float8_e4m3fn.h fp8e4m3fn_from_fp32_value (PyTorch): nearest even, past the range NaN (callers saturate
-// first). Each case computed, then one picked: no branch, so a loop of them vectorizes.
+// first). Each case computed, then one picked (``pick``): no branch, so a loop of them vectorizes.
 static inline uint8_t f32_to_e4m3(float f) {
   uint32_t b = bits_of(f);
   const uint32_t sign = b & 0x80000000u;
   b ^= sign;
   const uint32_t subnormal = bits_of(float_of(b) + float_of(141u << 23)) - (141u << 23);
   const uint32_t normal = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((b >> 20) & 1u)) >> 20;
-  const uint32_t r = b >= (1087u << 20) ? 0x7fu : (b < (121u << 23) ? subnormal : normal);
+  const uint32_t r = pick(b >= (1087u << 20), 0x7fu, pick(b < (121u << 23), subnormal, normal));
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 // c10/util/Float8_e5m2.h fp8e5m2_from_fp32_value.
@@ -60,8 +66,8 @@ static inline uint8_t f32_to_e5m2(float f) {
   b ^= sign;
   const uint32_t subnormal = bits_of(float_of(b) + float_of(134u << 23)) - (134u << 23);
   const uint32_t normal = (b + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + ((b >> 21) & 1u)) >> 21;
-  const uint32_t big = b > 0x7f800000u ? 0x7fu : 0x7cu;
-  const uint32_t r = b >= (143u << 23) ? big : (b < (113u << 23) ? subnormal : normal);
+  const uint32_t big = pick(b > 0x7f800000u, 0x7fu, 0x7cu);
+  const uint32_t r = pick(b >= (143u << 23), big, pick(b < (113u << 23), subnormal, normal));
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 
@@ -134,12 +140,6 @@ constexpr int64_t BAD_VALUE = -1;
 
 constexpr int64_t MAX_DIM = 2048;  // the longest row (the binding declines longer ones)
 
-ROPEPOOL_INLINE float round_to(int32_t kind, float x) {  // x as stored in a kind (float32: itself)
-  if (kind == BF16) return bf16_to_f32(f32_to_bf16(x));
-  if (kind == F16) return f16_to_f32(f32_to_f16(x));
-  return x;
-}
-
 ROPEPOOL_INLINE int64_t index_at(const char* p, int32_t kind, int64_t i) {
   return kind == I32 ? reinterpret_cast<const int32_t*>(p)[i] : reinterpret_cast<const int64_t*>(p)[i];
 }
@@ -156,7 +156,8 @@ ROPEPOOL_INLINE void load(const char* p, int32_t kind, int64_t s, int64_t n, flo
       if (s == 1) for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i]);
       else for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i * s]);
     } else {
-      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(x[i * s]);
+      if (s == 1) for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(x[i]);
+      else for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(x[i * s]);
     }
   }
 }
@@ -206,7 +207,8 @@ ROPEPOOL_INLINE void store(const Dest& d, int64_t n, const float* __restrict x, 
     else for (int64_t i = 0; i < n; ++i) o[d.at(i)] = f32_to_bf16(x[i]);
   } else {
     uint16_t* o = reinterpret_cast<uint16_t*>(d.p);
-    for (int64_t i = 0; i < n; ++i) o[d.at(i)] = f32_to_f16(x[i]);
+    if (d.tile == 0 && d.s == 1) for (int64_t i = 0; i < n; ++i) o[i] = f32_to_f16(x[i]);
+    else for (int64_t i = 0; i < n; ++i) o[d.at(i)] = f32_to_f16(x[i]);
   }
 }
 
@@ -337,7 +339,8 @@ ROPEPOOL_INLINE int64_t run_body(const Args& a) {
       store(row_of(a.k_out, t, h), D, y, a.k_out_scale, h);
       if (slot < 0) continue;
       if (a.k_pool_scale.p != nullptr && a.k_kind != F32) {  // the pool stores k_rot as rounded to k's type
-        for (int64_t i = 0; i < D; ++i) z[i] = round_to(a.k_kind, y[i]);
+        if (a.k_kind == BF16) for (int64_t i = 0; i < D; ++i) z[i] = bf16_to_f32(f32_to_bf16(y[i]));
+        else for (int64_t i = 0; i < D; ++i) z[i] = f16_to_f32(f32_to_f16(y[i]));
         store(pool_row(a.k_pool, slot, h), D, z, a.k_pool_scale, h);
       } else {
         store(pool_row(a.k_pool, slot, h), D, y, a.k_pool_scale, h);
