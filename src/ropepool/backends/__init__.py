@@ -128,10 +128,10 @@ def _mlx_why_not(q) -> str | None:
 # In order of preference within a framework.
 BACKENDS = (
     Backend("triton", "torch", ".triton_op", ALL - {"pool.block.torch"}, ("cuda",), _triton_why_not),
-    # torch on CPU tensors: one call of the compiled kernel (backends/torch_native.py, ropepool/native); the QK
-    # norm, per-token-head caches, block-quantized and DeepSeek V3.2's caches, autograd and tracing stay on the
+    # torch on CPU tensors: one call of the compiled kernel (backends/torch_native.py, ropepool/native);
+    # per-token-head caches, block-quantized and DeepSeek V3.2's caches, autograd and tracing stay on the
     # general torch code (its fallback too, for layouts it declines at bind time).
-    Backend("torch", "torch", ".torch_native", ALL - {"norm", "pool.per_token_head"} - BLOCK - DSA - TORCH,
+    Backend("torch", "torch", ".torch_native", ALL - {"pool.per_token_head"} - BLOCK - DSA - TORCH,
             ("cpu",), _native_why_not, fallback=".torch_eager"),
     Backend("torch", "torch", ".torch_eager", ALL),
     Backend("mlx", "mlx", ".mlx", ALL - {"pool.per_token_head", "q_out.scaled", "k_out.scaled"} - TORCH - DSA - LAYOUT,

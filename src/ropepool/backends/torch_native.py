@@ -1,6 +1,7 @@
 """The torch backend on CPU tensors: one call of ropepool's compiled kernel (ropepool/native) per call.
 
-The kernel (native/rope_kernel.h) rotates q and k, writes q_rot / k_rot (new tensors, or q_out / k_out) and
+The kernel (native/rope_kernel.h) rotates q and k (with the QK norm before or after, if the call has one:
+``rope_pool_norm``, given the weights at each call), writes q_rot / k_rot (new tensors, or q_out / k_out) and
 stores k_rot and v into the pools at their slots, every layout through its strides, in one pass over the tokens;
 it checks every slot and position before it writes a byte. This module only binds: it reads what a call needs
 from the plan once per layout (``cfg``: the rotation's shape, the pool layout, the stores' bounds), and hands
@@ -20,6 +21,9 @@ rest, and what a bound layout declines (rows longer than the kernel's buffers).
 """
 from __future__ import annotations
 
+import functools
+import struct
+
 import torch
 
 from .. import native
@@ -33,7 +37,8 @@ from .torch_arrays import TorchOps, extras
 # cfg's entries, in rope_ffi.cc's order (enum Cfg); each scale: its address, size, stride and bound.
 CFG = ("rotary_dim", "gptj", "long_from", "by_token", "layer", "kv_layout", "headed", "k_kind", "sin_at", "long_at",
        "mrope_rows_ptr") + tuple(f"{d}_{f}" for d in ("k_pool", "v_pool", "q_out", "k_out")
-                                 for f in ("scale_ptr", "scale_n", "scale_stride", "qmax"))
+                                 for f in ("scale_ptr", "scale_n", "scale_stride", "qmax")) + (
+    "norm", "norm_eps", "norm_offset", "q_weighted", "k_weighted")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAX_DIM = 2048  # rope_kernel.h MAX_DIM
 # Tables cover positions below this (64 MB a rotation at rotary_dim 128), grown in chunks; past it, per call.
@@ -43,6 +48,11 @@ _TABLE_POSITIONS, _TABLE_CHUNK = 1 << 17, 1 << 12
 _TABLES: dict = {}
 _TABLE_BYTES = 256 << 20
 _table_bytes = [0]
+
+
+def _f32_bits(x: float) -> int:
+    """A float as float32, its bits (how torch adds a Python float to a float32 tensor)."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 def drop_tables() -> None:
@@ -106,6 +116,7 @@ class Native:
         call, rot, st = plan.call, plan.call.rotation, plan.stores
         self.call, self.rot = call, rot
         self.fn = native.kernel().rope_pool
+        norm = call.norm
         ex = extras(plan.fixed, torch.device("cpu"))
         r, half = rot.rotary_dim, rot.rotary_dim // 2
         geom = call.pool
@@ -125,6 +136,12 @@ class Native:
                       kv_layout=0 if geom.kv_layout is None else 1 + KV_LAYOUTS.index(geom.kv_layout),
                       headed=int(geom.headed), k_kind=_KINDS[arrays[1].dtype], sin_at=half, long_at=2 * half,
                       mrope_rows_ptr=0 if rows is None else rows.data_ptr())
+        if norm is not None:  # the weights go first, per call (read as they are then: detached views of them)
+            qw, kw = (_NONE if w is None else w.detach() for w in (ex.q_weight, ex.k_weight))
+            self.fn = functools.partial(native.kernel().rope_pool_norm, qw, kw)
+            values.update(norm=2 if norm.after_rope else 1, norm_eps=_f32_bits(norm.eps),
+                          norm_offset=_f32_bits(norm.weight_offset), q_weighted=int(ex.q_weight is not None),
+                          k_weighted=int(ex.k_weight is not None))
         for d, store, x in zip(("k_pool", "v_pool", "q_out", "k_out"), st, scales):
             if store.qmax:
                 values.update({f"{d}_scale_ptr": x.data_ptr(), f"{d}_scale_n": x.numel(),

@@ -6,6 +6,8 @@
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/function.h>
 
+#include <cstring>
+
 #include "rope_kernel.h"
 
 using tvm::ffi::TensorView;
@@ -19,7 +21,8 @@ namespace {
 enum Cfg {
   ROTARY_DIM, GPTJ, LONG_FROM, BY_TOKEN, LAYER, KV_LAYOUT, HEADED, K_KIND, SIN_AT, LONG_AT, MROPE_ROWS_PTR,
   SCALES,  // 4 x (PTR, N, STRIDE, QMAX): k pool, v pool, q_out, k_out
-  NUM_CFG = SCALES + 16
+  NORM = SCALES + 16, NORM_EPS, NORM_OFFSET, Q_WEIGHTED, K_WEIGHTED,  // (eps, offset: float32 bits)
+  NUM_CFG
 };
 enum Layout { FLAT = 0, NHD = 1, HND = 2, AMX = 3 };
 
@@ -32,6 +35,7 @@ int32_t kind_of(DLDataType t) {
   if (t.code == kDLFloat8_e5m2 && t.bits == 8) return rp::E5M2;
   if (t.code == kDLInt && t.bits == 32) return rp::I32;
   if (t.code == kDLInt && t.bits == 64) return rp::I64;
+  if (t.code == kDLFloat && t.bits == 64) return rp::F64;
   return -1;
 }
 
@@ -48,6 +52,7 @@ rp::Rows rows(const TensorView& x, const char* name, int64_t T) {
   rp::Rows r;
   r.p = base(x);
   r.kind = checked_kind(x, name);
+  TVM_FFI_CHECK(r.kind <= rp::E5M2, TypeError) << name << ": float32, bfloat16, float16 or float8";
   TVM_FFI_CHECK((x.ndim() == 2 || x.ndim() == 3) && x.size(0) == T, ValueError) << name << ": [T, (heads,) dim]";
   r.s_tok = x.stride(0);
   r.dim = x.size(-1);
@@ -121,15 +126,29 @@ rp::Scale scale(const int64_t* c) {  // (PTR, N, STRIDE, QMAX)
   return s;
 }
 
+float float_bits(int64_t u) {
+  const uint32_t b = static_cast<uint32_t>(u);
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// A norm weight: [dim] float (float64 too), or none where cfg says so.
+rp::Weight weight(const TensorView& x, const char* name, bool given, int64_t dim) {
+  rp::Weight w;
+  if (!given) return w;
+  w.kind = checked_kind(x, name);
+  TVM_FFI_CHECK(x.ndim() == 1 && x.size(0) == dim && (w.kind <= rp::F16 || w.kind == rp::F64), ValueError)
+      << name << ": a float [" << dim << "]";
+  w.p = base(x);
+  w.s = x.stride(0);
+  return w;
+}
+
 const rp::Runner RUN = rp::pick();
 
-}  // namespace
-
-// Returns 0 (done), -1 (a slot past the pool or a negative position: nothing written) or n > 0 (the table
-// needs rows for positions < n: nothing written).
-int64_t rope_pool(TensorView q, TensorView k, TensorView v, TensorView positions, TensorView slots,
-                  TensorView k_pool, TensorView v_pool, TensorView q_out, TensorView k_out, TensorView cos_sin,
-                  TensorView cfg_array) {
+rp::Args args(TensorView q, TensorView k, TensorView v, TensorView positions, TensorView slots, TensorView k_pool,
+              TensorView v_pool, TensorView q_out, TensorView k_out, TensorView cos_sin, TensorView cfg_array) {
   TVM_FFI_CHECK(cfg_array.ndim() == 1 && cfg_array.size(0) == NUM_CFG && kind_of(cfg_array.dtype()) == rp::I64,
                 ValueError) << "cfg: int64 [" << NUM_CFG << "]";
   const int64_t* cfg = reinterpret_cast<const int64_t*>(base(cfg_array));
@@ -181,6 +200,32 @@ int64_t rope_pool(TensorView q, TensorView k, TensorView v, TensorView positions
     TVM_FFI_CHECK(a.pos_rows == (a.freq_row != nullptr ? 3 : 1) || a.by_token, ValueError)
         << "[3, T] positions: MRoPE rows or cos/sin by token";
   }
+  return a;
+}
+
+}  // namespace
+
+// Returns 0 (done), -1 (a slot past the pool or a negative position: nothing written) or n > 0 (the table
+// needs rows for positions < n: nothing written).
+int64_t rope_pool(TensorView q, TensorView k, TensorView v, TensorView positions, TensorView slots,
+                  TensorView k_pool, TensorView v_pool, TensorView q_out, TensorView k_out, TensorView cos_sin,
+                  TensorView cfg_array) {
+  return RUN(args(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, cos_sin, cfg_array));
+}
+
+// rope_pool with the QK norm (cfg: NORM ...), its weights first (read per call: an in-place update is seen). A
+// function of its own, so that calls without a norm pass no more arrays (each costs ~0.2 us).
+int64_t rope_pool_norm(TensorView q_weight, TensorView k_weight, TensorView q, TensorView k, TensorView v,
+                       TensorView positions, TensorView slots, TensorView k_pool, TensorView v_pool, TensorView q_out,
+                       TensorView k_out, TensorView cos_sin, TensorView cfg_array) {
+  rp::Args a = args(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, cos_sin, cfg_array);
+  const int64_t* cfg = reinterpret_cast<const int64_t*>(base(cfg_array));
+  TVM_FFI_CHECK(cfg[NORM] == 1 || cfg[NORM] == 2, ValueError) << "cfg: norm 1 (before RoPE) or 2 (after)";
+  a.norm = static_cast<int32_t>(cfg[NORM]);
+  a.eps = float_bits(cfg[NORM_EPS]);
+  a.weight_offset = float_bits(cfg[NORM_OFFSET]);
+  a.q_weight = weight(q_weight, "q_weight", cfg[Q_WEIGHTED] != 0, a.q.dim);
+  a.k_weight = weight(k_weight, "k_weight", cfg[K_WEIGHTED] != 0, a.k.dim);
   return RUN(a);
 }
 
@@ -188,4 +233,5 @@ int64_t rope_pool(TensorView q, TensorView k, TensorView v, TensorView positions
 tvm::ffi::String isa() { return rp::isa_name(RUN); }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_pool, rope_pool);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_pool_norm, rope_pool_norm);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(isa, isa);

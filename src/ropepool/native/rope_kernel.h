@@ -14,43 +14,49 @@
 
 namespace ropepool {
 
-enum Kind : int32_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, I32 = 5, I64 = 6 };
+enum Kind : int32_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, I32 = 5, I64 = 6, F64 = 7 };
 
 static inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 static inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
 static inline float bf16_to_f32(uint16_t x) { return float_of(static_cast<uint32_t>(x) << 16); }
+// a if c else b, as arithmetic on masks: GCC's vectorizer takes no branch (nor a select it did not make itself)
+// in a loop, so every conversion below picks its cases this way.
+static inline uint32_t pick(bool c, uint32_t a, uint32_t b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return (a & m) | (b & ~m);
+}
 static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN, as c10's
-  uint32_t u = bits_of(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t u = bits_of(f);
+  return static_cast<uint16_t>(pick((u & 0x7fffffffu) > 0x7f800000u, (u >> 16) | 0x40u,
+                                    (u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
 }
 static inline float f16_to_f32(uint16_t h) {  // exact
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0x1f) return float_of(sign | 0x7f800000u | (m << 13));
-  if (e == 0) return float_of(sign | bits_of(static_cast<float>(m) * 5.9604644775390625e-8f));  // m * 2^-24
-  return float_of(sign | ((e + 112) << 23) | (m << 13));
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  const uint32_t special = sign | 0x7f800000u | (m << 13);                                    // inf, NaN
+  const uint32_t subnormal = sign | bits_of(static_cast<float>(m) * 5.9604644775390625e-8f);  // m * 2^-24
+  const uint32_t normal = sign | ((e + 112) << 23) | (m << 13);
+  return float_of(pick(e == 0x1f, special, pick(e == 0, subnormal, normal)));
 }
 // c10/util/Half.h fp16_ieee_from_fp32_value (PyTorch; from FP16 by Marat Dukhan): round to nearest even.
 static inline uint16_t f32_to_f16(float f) {
   float base = (__builtin_fabsf(f) * float_of(0x77800000u)) * float_of(0x08800000u);
   const uint32_t w = bits_of(f), shl1_w = w + w, sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xff000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
+  const uint32_t bias = pick((shl1_w & 0xff000000u) < 0x71000000u, 0x71000000u, shl1_w & 0xff000000u);
   base = float_of((bias >> 1) + 0x07800000u) + base;
   const uint32_t b = bits_of(base);
   const uint32_t nonsign = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+  return static_cast<uint16_t>((sign >> 16) | pick(shl1_w > 0xff000000u, 0x7e00u, nonsign));
 }
 // c10/util/Float8_e4m3fn.h fp8e4m3fn_from_fp32_value (PyTorch): nearest even, past the range NaN (callers saturate
-// first). Each case computed, then one picked: no branch, so a loop of them vectorizes.
+// first). Each case computed, then one picked (``pick``): no branch, so a loop of them vectorizes.
 static inline uint8_t f32_to_e4m3(float f) {
   uint32_t b = bits_of(f);
   const uint32_t sign = b & 0x80000000u;
   b ^= sign;
   const uint32_t subnormal = bits_of(float_of(b) + float_of(141u << 23)) - (141u << 23);
   const uint32_t normal = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((b >> 20) & 1u)) >> 20;
-  const uint32_t r = b >= (1087u << 20) ? 0x7fu : (b < (121u << 23) ? subnormal : normal);
+  const uint32_t r = pick(b >= (1087u << 20), 0x7fu, pick(b < (121u << 23), subnormal, normal));
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 // c10/util/Float8_e5m2.h fp8e5m2_from_fp32_value.
@@ -60,8 +66,8 @@ static inline uint8_t f32_to_e5m2(float f) {
   b ^= sign;
   const uint32_t subnormal = bits_of(float_of(b) + float_of(134u << 23)) - (134u << 23);
   const uint32_t normal = (b + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + ((b >> 21) & 1u)) >> 21;
-  const uint32_t big = b > 0x7f800000u ? 0x7fu : 0x7cu;
-  const uint32_t r = b >= (143u << 23) ? big : (b < (113u << 23) ? subnormal : normal);
+  const uint32_t big = pick(b > 0x7f800000u, 0x7fu, 0x7cu);
+  const uint32_t r = pick(b >= (143u << 23), big, pick(b < (113u << 23), subnormal, normal));
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 
@@ -89,6 +95,13 @@ struct Table {
   int64_t rows = 0, s_row = 0, s_col = 1;
 };
 
+// A norm weight [dim] (float32, bf16, fp16 or float64); p == nullptr: none (gain 1).
+struct Weight {
+  const char* p = nullptr;
+  int32_t kind = F32;
+  int64_t s = 1;
+};
+
 // A destination's store: plain (its kind), or fp8 holding x / scale saturated to +-qmax.
 struct Scale {
   const float* p = nullptr;  // nullptr: plain
@@ -113,6 +126,9 @@ struct Args {
   Table cos, sin, cos_long, sin_long;  // cos_long.p: longrope's tables, used from long_from
   int64_t long_from = -1;
   bool by_token = false;  // the tables hold a row per token (computed for this call), not per position
+  int32_t norm = 0;       // the QK norm: 0 none; 1 before the rotation; 2 after it
+  float eps = 0.f, weight_offset = 0.f;
+  Weight q_weight, k_weight;
 };
 
 // What ``run`` returns: 0 done; BAD_VALUE a slot past the pool or a negative position (nothing written; the
@@ -123,12 +139,6 @@ constexpr int64_t BAD_VALUE = -1;
 #define ROPEPOOL_INLINE static inline __attribute__((always_inline))
 
 constexpr int64_t MAX_DIM = 2048;  // the longest row (the binding declines longer ones)
-
-ROPEPOOL_INLINE float round_to(int32_t kind, float x) {  // x as stored in a kind (float32: itself)
-  if (kind == BF16) return bf16_to_f32(f32_to_bf16(x));
-  if (kind == F16) return f16_to_f32(f32_to_f16(x));
-  return x;
-}
 
 ROPEPOOL_INLINE int64_t index_at(const char* p, int32_t kind, int64_t i) {
   return kind == I32 ? reinterpret_cast<const int32_t*>(p)[i] : reinterpret_cast<const int64_t*>(p)[i];
@@ -146,7 +156,8 @@ ROPEPOOL_INLINE void load(const char* p, int32_t kind, int64_t s, int64_t n, flo
       if (s == 1) for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i]);
       else for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i * s]);
     } else {
-      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(x[i * s]);
+      if (s == 1) for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(x[i]);
+      else for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(x[i * s]);
     }
   }
 }
@@ -196,7 +207,8 @@ ROPEPOOL_INLINE void store(const Dest& d, int64_t n, const float* __restrict x, 
     else for (int64_t i = 0; i < n; ++i) o[d.at(i)] = f32_to_bf16(x[i]);
   } else {
     uint16_t* o = reinterpret_cast<uint16_t*>(d.p);
-    for (int64_t i = 0; i < n; ++i) o[d.at(i)] = f32_to_f16(x[i]);
+    if (d.tile == 0 && d.s == 1) for (int64_t i = 0; i < n; ++i) o[i] = f32_to_f16(x[i]);
+    else for (int64_t i = 0; i < n; ++i) o[d.at(i)] = f32_to_f16(x[i]);
   }
 }
 
@@ -233,6 +245,35 @@ ROPEPOOL_INLINE void rotate(const float* __restrict x, const float* __restrict c
   for (int64_t i = r; i < D; ++i) y[i] = x[i];
 }
 
+// The norm's gain ``float32(w) + weight_offset`` (float32 arithmetic, as arraymath.normalize).
+ROPEPOOL_INLINE void gain(const Weight& w, int64_t n, float offset, float* __restrict g) {
+  if (w.kind == F64) {
+    const double* x = reinterpret_cast<const double*>(w.p);
+    for (int64_t i = 0; i < n; ++i) g[i] = static_cast<float>(x[i * w.s]);  // nearest even, as Tensor.float()
+  } else {
+    load(w.p, w.kind, w.s, n, g);
+  }
+  for (int64_t i = 0; i < n; ++i) g[i] = g[i] + offset;
+}
+
+// x (n floats) RMS-normalised in place as arraymath.normalize: ``(x * rsqrt(sum(x * x) / n + eps)) * g``, each
+// operation rounded to float32 (g == nullptr: no weight). The sum runs over 16 lanes, then halves them: a fixed
+// order on every ISA (torch's mean sums in its own vector order: a difference of float32 rounding, measured in
+// docs/precision.md), and a loop the compiler vectorizes without reassociating anything.
+ROPEPOOL_INLINE void normalize(float* __restrict x, int64_t n, float eps, const float* __restrict g) {
+  constexpr int64_t L = 16;
+  float acc[L] = {};
+  int64_t i = 0;
+  for (; i + L <= n; i += L)
+    for (int64_t j = 0; j < L; ++j) acc[j] += x[i + j] * x[i + j];
+  for (int64_t j = 0; i + j < n; ++j) acc[j] += x[i + j] * x[i + j];
+  for (int64_t w = L / 2; w >= 1; w /= 2)
+    for (int64_t j = 0; j < w; ++j) acc[j] += acc[j + w];
+  const float r = 1.0f / __builtin_sqrtf(acc[0] / static_cast<float>(n) + eps);  // torch.rsqrt: 1 / sqrt
+  if (g == nullptr) for (int64_t k = 0; k < n; ++k) x[k] = x[k] * r;
+  else for (int64_t k = 0; k < n; ++k) x[k] = (x[k] * r) * g[k];
+}
+
 ROPEPOOL_INLINE void table_row(const Table& tb, const Args& a, int64_t t, const int64_t* rows_pos, float* out) {
   const int64_t h = a.r / 2;
   if (a.freq_row == nullptr) {
@@ -261,7 +302,17 @@ ROPEPOOL_INLINE int64_t run_body(const Args& a) {
   if (a.r > 0 && !a.by_token && (top >= cos.rows || top >= sin.rows)) return top + 1;
 
   const int64_t D = a.q.dim, Dv = a.v.dim, r = a.r;
-  alignas(64) float c[MAX_DIM / 2], s[MAX_DIM / 2], x[MAX_DIM], y[MAX_DIM], z[MAX_DIM];
+  alignas(64) float c[MAX_DIM / 2], s[MAX_DIM / 2], x[MAX_DIM], y[MAX_DIM], z[MAX_DIM], gq[MAX_DIM], gk[MAX_DIM];
+  const float* q_gain = nullptr;
+  const float* k_gain = nullptr;
+  if (a.norm != 0 && a.q_weight.p != nullptr) {
+    gain(a.q_weight, D, a.weight_offset, gq);
+    q_gain = gq;
+  }
+  if (a.norm != 0 && a.k_weight.p != nullptr) {
+    gain(a.k_weight, D, a.weight_offset, gk);
+    k_gain = gk;
+  }
   for (int64_t t = 0; t < a.T; ++t) {
     if (r > 0) {
       int64_t rows_pos[3] = {t, t, t};
@@ -273,18 +324,23 @@ ROPEPOOL_INLINE int64_t run_body(const Args& a) {
     for (int64_t h = 0; h < a.q.heads; ++h) {
       const Dest src = row_of(a.q, t, h);
       load(src.p, src.kind, src.s, D, x);
+      if (a.norm == 1) normalize(x, D, a.eps, q_gain);
       rotate(x, c, s, D, r, a.gptj, y);
+      if (a.norm == 2) normalize(y, D, a.eps, q_gain);
       store(row_of(a.q_out, t, h), D, y, a.q_out_scale, h);
     }
     const int64_t slot = index_at(a.slots, a.slot_kind, t * a.slot_s);
     for (int64_t h = 0; h < a.k.heads; ++h) {
       const Dest src = row_of(a.k, t, h);
       load(src.p, src.kind, src.s, D, x);
+      if (a.norm == 1) normalize(x, D, a.eps, k_gain);
       rotate(x, c, s, D, r, a.gptj, y);
+      if (a.norm == 2) normalize(y, D, a.eps, k_gain);
       store(row_of(a.k_out, t, h), D, y, a.k_out_scale, h);
       if (slot < 0) continue;
       if (a.k_pool_scale.p != nullptr && a.k_kind != F32) {  // the pool stores k_rot as rounded to k's type
-        for (int64_t i = 0; i < D; ++i) z[i] = round_to(a.k_kind, y[i]);
+        if (a.k_kind == BF16) for (int64_t i = 0; i < D; ++i) z[i] = bf16_to_f32(f32_to_bf16(y[i]));
+        else for (int64_t i = 0; i < D; ++i) z[i] = f16_to_f32(f32_to_f16(y[i]));
         store(pool_row(a.k_pool, slot, h), D, z, a.k_pool_scale, h);
       } else {
         store(pool_row(a.k_pool, slot, h), D, y, a.k_pool_scale, h);
