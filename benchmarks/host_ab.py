@@ -101,15 +101,6 @@ def run(src: str, cases) -> dict:
     return got["samples"]
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else what platform says."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def pct(xs, p):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
@@ -145,6 +136,8 @@ def main() -> int:
                                          f"({statistics.median(samples[s][c]) / first:.3f}x)" for s in names))
     if a.out:
         import numpy
+
+        from ropepool.cli.bench_report import cpu_name
         versions = {"python": platform.python_version(), "numpy": numpy.__version__}
         for mod in ("torch", "mlx"):
             try:
