@@ -3,7 +3,8 @@
 The aot_eager backend keeps it fast; the "triton" backend goes through the
 torch.ops.ropepool.rope_pool custom op (on the GPU where there is one, else
 the kernel under the interpreter). Compiled and eager calls give the same
-bits: q_rot, k_rot and both pools. The version with inductor and CUDA graphs
+bits: q_rot, k_rot and both pools (on CPU with the QK norm, the eager call's native kernel sums the squares
+in another order: within float32's bound there). The version with inductor and CUDA graphs
 is in tests/gpu.
 """
 import subprocess
@@ -16,7 +17,16 @@ torch = pytest.importorskip("torch")
 
 import ropepool  # noqa: E402
 from ropepool import QKNorm, RopeSpec, plan  # noqa: E402
-from tests.harness import TOL, assert_close, assert_same_bits, backend_for, make_positions, make_slots, randn
+from tests.harness import (
+    TOL,
+    assert_close,
+    assert_same_bits,
+    backend_for,
+    fp8_ordinal,
+    make_positions,
+    make_slots,
+    randn,
+)
 
 
 def compiled_and_eager(X, features, rng, remembered):
@@ -46,8 +56,19 @@ def compiled_and_eager(X, features, rng, remembered):
         plan.forget()
     torch._dynamo.reset()
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(*arrays, *copies)
+    # A traced call runs the general torch code; an eager CPU call with the QK norm runs the native kernel, whose
+    # sum of squares is in another order (docs/precision.md): the normed rows within float32's bound, their fp8
+    # pool bytes within one step. Everything else bit for bit.
+    normed = X.name == "torch" and "qk_norm" in kw
     for what, g, w in zip(("q_rot", "k_rot", "k_pool", "v_pool"), (*got, *copies), (*want, *pools)):
-        assert_same_bits(f"{what}: compiled vs eager", X.numpy(g), X.numpy(w))
+        g, w = X.numpy(g), X.numpy(w)
+        if normed and what in ("q_rot", "k_rot"):
+            assert_close(f"{what}: compiled vs eager", g, w, TOL["float32"])
+        elif normed and what == "k_pool":
+            steps = np.abs(fp8_ordinal(g) - fp8_ordinal(w))
+            assert steps.max() <= 1, f"k_pool: compiled vs eager: {int(steps.max())} fp8 steps apart"
+        else:
+            assert_same_bits(f"{what}: compiled vs eager", g, w)
 
 
 @pytest.mark.parametrize("name,features", [("torch", "plain"), ("torch", "spec-norm-mrope-fp8-pool"),
