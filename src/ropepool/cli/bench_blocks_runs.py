@@ -148,7 +148,8 @@ def demo_rows(recs: Records, device: str = "cpu") -> dict:
     key on ``device`` (a record of ``ropepool demo`` holds each dtype it ran, by default float32 and bfloat16; a
     GPU run at a model's widths, demo_scale.py, names its request count)."""
     newest = {}
-    for rec, d in recs.others("*-demo-*.json"):  # oldest first: the last one wins
+    # oldest code first (then by name): the last one wins
+    for rec, d in sorted(recs.others("*-demo-*.json"), key=lambda run: run[0].order):
         if str(d["env"].get("device", "")).split(":")[0] == device:
             groups = {}
             for row in d.get("demo", []):
