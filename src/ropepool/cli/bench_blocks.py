@@ -1,7 +1,7 @@
-"""The performance blocks of the docs, one device after another: the GPU (H200 records), the CPU
+"""The performance blocks of the docs, one device after another: the GPU (H100 and H200 records), the CPU
 (PyTorch) and MLX.
 
-GPU: one row per op and geometry, from the H200 records. A row gives the op's % of a device copy of its
+GPU: one row per op and geometry, from the newest record of either Hopper card (each row names its card). A row gives the op's % of a device copy of its
 bytes at T = 16,384 and 65,536, its µs at T = 1, 16 and 64 under CUDA-graph replay, and each peer's time
 over ropepool's across every T where both ran (below 1.00x the peer was faster). Each figure is the
 median of the runs of the newest code that measured the cell; see ``bench_records`` for what a cell is.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ropepool.cli.bench_records import Records
 from ropepool.cli.bench_summary import block, fmt_cell, fmt_num, fmt_pct, fmt_x, sources, span
 
-GPU = "NVIDIA H200"
+GPU = "NVIDIA H"  # either Hopper card, H100 or H200: a row names the card of its records
 LARGE = (16384, 65536)
 SMALL = (1, 16, 64)
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
@@ -116,13 +116,19 @@ def row(recs: Records, op: Op) -> Row:
     return Row(op, pct, small, peers, slower, used)
 
 
+def card(records) -> str:
+    """The cards of these records, short ("H100", "H200")."""
+    return " / ".join(sorted({r.device.removeprefix("NVIDIA ").split()[0] for r in records})) or "-"
+
+
 def _measured(records) -> str:
-    return ", ".join(sorted({f"{r.date} {r.commit or '?'}" + (" †" if r.later else "") for r in records}))
+    return ", ".join(sorted({f"{card([r])} {r.date} {r.commit or '?'}" + (" †" if r.later else "")
+                             for r in records}))
 
 
 def gpu_table(recs: Records) -> tuple[str, set]:
     lines = ["| op | % of copy, T = 16,384 / 65,536 | µs, T = 1 / 16 / 64 (graph) | peer's time / ropepool's, "
-             "over T | measured (code) |",
+             "over T | measured (card, code) |",
              "| --- | --- | --- | --- | --- |"]
     used, slower = set(), []
     for op in OPS:

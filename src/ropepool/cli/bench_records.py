@@ -260,7 +260,8 @@ def describe(path: Path, d: dict) -> Record:
 
 @dataclass
 class Cell:
-    """The runs of one key: those of the newest code measured, and the older ones as history."""
+    """The runs of one key: those of the newest code measured on the newest record's device (a device
+    prefix such as "NVIDIA H" matches two cards: a cell never mixes them), and the others as history."""
     runs: list[Run]
     history: list[Run]
 
@@ -303,8 +304,9 @@ class Records:
                 and all(getattr(k, f) == v for f, v in want.items()) for r in rs]
         if not runs:
             return None
-        newest = max(runs, key=lambda r: r.record.order).record.code
-        return Cell([r for r in runs if r.record.code == newest], [r for r in runs if r.record.code != newest])
+        newest = max(runs, key=lambda r: r.record.order).record
+        now = [r for r in runs if (r.record.code, r.record.device) == (newest.code, newest.device)]
+        return Cell(now, [r for r in runs if r not in now])
 
     def ratio(self, num: dict, den: dict) -> Ratios | None:
         """num / den of two cells, paired within each record of the newest code that holds both."""
@@ -317,8 +319,8 @@ class Records:
         pairs = [(r.record, r.us / statistics.median(bs[r.record])) for r in a.runs + a.history if r.record in bs]
         if not pairs:
             return None
-        newest = max(pairs, key=lambda p: p[0].order)[0].code
-        return Ratios([(rec, x) for rec, x in pairs if rec.code == newest])
+        newest = max(pairs, key=lambda p: p[0].order)[0]
+        return Ratios([(rec, x) for rec, x in pairs if (rec.code, rec.device) == (newest.code, newest.device)])
 
 
 @dataclass
