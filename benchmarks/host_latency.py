@@ -9,8 +9,10 @@ bare Triton launch of a one-element kernel (``bump[(1,)](x)`` through the JIT, a
 both timed round-robin in one process. Each figure is the median over rounds
 of the best-of-5 per-call time of back-to-back calls (the GPU work of these
 small calls is shorter than their host time, so the loop is host-bound).
-Parts of a call (cache lookup, allocations, the direct launch) are timed the
-same way, for where the time goes.
+Parts of a call (cache lookup, allocations, the launch) are timed the
+same way, for where the time goes, and the T = 1 call and its launch again
+through Triton's own launcher in place of the native one
+(backends/triton_native.py), where that one runs.
 """
 import argparse
 import statistics
@@ -45,23 +47,31 @@ def per_call_us(fn, calls=400):
 
 
 def parts_of_a_call(T, args, kw):
-    """The cache lookup, the output allocations and the direct launch of one call, timed alone."""
+    """The cache lookup, the output allocations and the launch of one call, timed alone; with the Launch
+    object, whose native launcher the caller switches off for the rows marked so."""
     q, k = args[:2]
     ropepool.rope_pool_fused(*args, **kw)
     arrays = (*args, None, None)
     # api.rope_pool_fused's key (plan.pool_key's arguments: the keywords in the signature's order, then q, k)
     scalars = plan.pool_key(kw["head_dim"], kw["num_qo_heads"], kw["num_kv_heads"], kw["rope_base"], *(None,) * 13,
                             q, k)
-    print("layout cache:", "hit" if plan.lookup(scalars, arrays) is not None else "MISSED (every call checked in full)")
-    launch = plan.make(validate.check(*args, **kw), q, "triton").bind(*args)
+    launch = plan.lookup(scalars, arrays)  # the runner rope_pool_fused calls
+    print("layout cache:", "hit" if launch is not None else "MISSED (every call checked in full)")
+    if launch is None:
+        launch = plan.make(validate.check(*args, **kw), q, "triton").bind(*args)
+    print("native launcher:", "yes" if launch.native is not None else "no (Triton's launcher)")
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     contiguous = torch.contiguous_format
-    return {
+    parts = {
         f"  cache lookup T={T}": lambda: plan.lookup(scalars, arrays),
         f"  two output allocations T={T}": lambda: (torch.empty_like(q, memory_format=contiguous),
                                                     torch.empty_like(k, memory_format=contiguous)),
         f"  launch, outputs given T={T}": lambda: launch(*args, qo, ko),
     }
+    if launch.native is not None:
+        parts[f"rope_pool_fused T={T}, Triton's launcher"] = lambda: ropepool.rope_pool_fused(*args, **kw)
+        parts[f"  launch, outputs given T={T}, Triton's launcher"] = parts[f"  launch, outputs given T={T}"]
+    return launch, parts
 
 
 def main():
@@ -84,19 +94,23 @@ def main():
         sl = torch.randperm(P, device=dev)[:T].int()
         args = (q, k, v, pos, sl, kp, vp)
         fns[f"rope_pool_fused T={T}"] = lambda args=args: ropepool.rope_pool_fused(*args, **kw)
-        if not parts:  # where the time goes, for the first token count
+        if not parts:  # where the time goes, for the first token count (its call re-timed beside them)
             parts = parts_of_a_call(T, args, kw)
+    launch, parts = parts
     fns.update(parts)
+    native = launch.native
     results = {name: [] for name in fns}
     for _ in range(a.rounds):
         for name, fn in fns.items():
+            launch.native = None if "Triton's launcher" in name else native
             results[name].append(per_call_us(fn))
+        launch.native = native
     bare = statistics.median(results["bare Triton launch"])
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
-    print(f"{'':34s} {'µs (median)':>12s} {'x bare launch':>14s}")
+    print(f"{'':50s} {'µs (median)':>12s} {'x bare launch':>14s}")
     for name, vals in results.items():
         med = statistics.median(vals)
-        print(f"{name:34s} {med:12.2f} {med / bare:14.2f}")
+        print(f"{name:50s} {med:12.2f} {med / bare:14.2f}")
 
 
 if __name__ == "__main__":
