@@ -1,6 +1,6 @@
 """Host cost of one eager call on CUDA, against a bare Triton launch measured in the same process.
 
-    PYTHONPATH=src python3 benchmarks/host_latency.py [--rounds 7]
+    PYTHONPATH=src python3 benchmarks/host_latency.py [--rounds 7] [--out docs/bench/GPU-DATE-host.json]
 
 The host's speed varies between periods (1.5x seen), so absolute µs do not
 compare across runs: the figure that does is the ratio of a full
@@ -10,11 +10,17 @@ both timed round-robin in one process. Each figure is the median over rounds
 of the best-of-5 per-call time of back-to-back calls (the GPU work of these
 small calls is shorter than their host time, so the loop is host-bound).
 Parts of a call (cache lookup, allocations, the launch) are timed the
-same way, for where the time goes, and the T = 1 call and its launch again
-through Triton's own launcher in place of the native one
-(backends/triton_native.py), where that one runs.
+same way, for where the time goes. Where the native launcher runs
+(backends/triton_native.py), every call and the launch are timed again
+through Triton's own launcher ("Triton's launcher"), round-robin with the
+rest. ``--out`` writes the figures as a record (``host_rows``: the bare
+launch, "before" = Triton's launcher, "after" = the native one; a new
+file, an existing one is refused).
 """
 import argparse
+import json
+import os
+import platform
 import statistics
 import time
 
@@ -69,7 +75,6 @@ def parts_of_a_call(T, args, kw):
         f"  launch, outputs given T={T}": lambda: launch(*args, qo, ko),
     }
     if launch.native is not None:
-        parts[f"rope_pool_fused T={T}, Triton's launcher"] = lambda: ropepool.rope_pool_fused(*args, **kw)
         parts[f"  launch, outputs given T={T}, Triton's launcher"] = parts[f"  launch, outputs given T={T}"]
     return launch, parts
 
@@ -78,7 +83,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7, help="round-robin rounds; the median is reported")
     p.add_argument("--tokens", default="1,16,64,256", help="comma-separated token counts")
+    p.add_argument("--out", help="write the record here (JSON)")
+    p.add_argument("--note", default="", help="the record's note: the machine, its load, the command")
+    p.add_argument("--commit", default=None, help="the record's commit: the code measured")
     a = p.parse_args()
+    if a.out and os.path.exists(a.out):
+        p.error(f"{a.out} exists: records are added, never overwritten")
     Hq, Hkv, D, P = 32, 8, 128, 262144
     dev, dt = "cuda", torch.bfloat16
     kp = torch.empty(P, Hkv, D, device=dev, dtype=dt)
@@ -94,9 +104,11 @@ def main():
         sl = torch.randperm(P, device=dev)[:T].int()
         args = (q, k, v, pos, sl, kp, vp)
         fns[f"rope_pool_fused T={T}"] = lambda args=args: ropepool.rope_pool_fused(*args, **kw)
-        if not parts:  # where the time goes, for the first token count (its call re-timed beside them)
+        if not parts:  # where the time goes, for the first token count
             parts = parts_of_a_call(T, args, kw)
     launch, parts = parts
+    if launch.native is not None:
+        fns.update({f"{name}, Triton's launcher": fn for name, fn in fns.items() if name.startswith("rope_pool")})
     fns.update(parts)
     native = launch.native
     results = {name: [] for name in fns}
@@ -111,6 +123,26 @@ def main():
     for name, vals in results.items():
         med = statistics.median(vals)
         print(f"{name:50s} {med:12.2f} {med / bare:14.2f}")
+    if a.out:
+        write_record(a, results)
+
+
+def write_record(a, results):
+    """host_rows as ropepool.cli.bench_records reads them: the bare launch (tokens 0), each call's "before"
+    (Triton's launcher) and "after" (the native launcher)."""
+    rows = [dict(pinned="none", geometry="llama3-8b", provider="bare", tokens=0,
+                 us=round(statistics.median(results["bare Triton launch"]), 2))]
+    for T in map(int, a.tokens.split(",")):
+        for provider, name in (("before", f"rope_pool_fused T={T}, Triton's launcher"),
+                               ("after", f"rope_pool_fused T={T}")):
+            if name in results:
+                rows.append(dict(pinned="none", geometry="llama3-8b", provider=provider, tokens=T,
+                                 us=round(statistics.median(results[name]), 2)))
+    env = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "commit": a.commit, "note": a.note}
+    with open(a.out, "x") as f:
+        json.dump({"env": env, "host_rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
