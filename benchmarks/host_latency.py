@@ -111,15 +111,15 @@ def main():
         launches.append(plan.lookup(plan.pool_key(D, Hq, Hkv, 5e5, *(None,) * 13, q, k), (*args, None, None)))
     launch, parts = parts
     launches.append(launch)
-    natives = [(x, x.native) for x in launches if getattr(x, "native", None) is not None]
+    natives = [(r, r.native) for r in launches if getattr(r, "native", None) is not None]
     if natives:
         fns.update({f"{name}, Triton's launcher": fn for name, fn in fns.items() if name.startswith("rope_pool")})
     fns.update(parts)
     results = {name: [] for name in fns}
     for _ in range(a.rounds):
         for name, fn in fns.items():
-            for x, native in natives:
-                x.native = None if "Triton's launcher" in name else native
+            for runner, native in natives:
+                runner.native = None if "Triton's launcher" in name else native
             results[name].append(per_call_us(fn))
     bare = statistics.median(results["bare Triton launch"])
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
