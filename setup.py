@@ -13,17 +13,24 @@ def _native() -> list:
     except ImportError:  # only the pure-Python parts (setuptools without the build requirements)
         return []
     lib = libinfo.find_libtvm_ffi()
+    common = dict(include_dirs=[libinfo.find_include_path(), libinfo.find_dlpack_include_path()],
+                  library_dirs=[lib.rsplit("/", 1)[0]], language="c++", optional=True)
     return [Extension(
         "ropepool.native._rope_native",
         sources=["src/ropepool/native/rope_ffi.cc"],
         depends=["src/ropepool/native/rope_kernel.h"],
-        include_dirs=[libinfo.find_include_path(), libinfo.find_dlpack_include_path()],
-        library_dirs=[lib.rsplit("/", 1)[0]],
         libraries=["tvm_ffi"],
         # -ffp-contract=off: no fused multiply-add, so the rotation rounds as the torch ops do (docs/precision.md)
         extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden"],
-        language="c++",
-        optional=True,
+        **common,
+    ), Extension(
+        # The eager CUDA call's launch of the Triton kernel (backends/triton_native.py): no CUDA needed to build
+        # (the driver is opened at run time), so it builds everywhere and is used where there is a GPU.
+        "ropepool.native._triton_launch",
+        sources=["src/ropepool/native/triton_launch.cc"],
+        libraries=["tvm_ffi", "dl"],
+        extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden"],
+        **common,
     )]
 
 

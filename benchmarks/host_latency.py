@@ -1,6 +1,6 @@
 """Host cost of one eager call on CUDA, against a bare Triton launch measured in the same process.
 
-    PYTHONPATH=src python3 benchmarks/host_latency.py [--rounds 7]
+    PYTHONPATH=src python3 benchmarks/host_latency.py [--rounds 7] [--out docs/bench/GPU-DATE-host.json]
 
 The host's speed varies between periods (1.5x seen), so absolute µs do not
 compare across runs: the figure that does is the ratio of a full
@@ -9,10 +9,18 @@ bare Triton launch of a one-element kernel (``bump[(1,)](x)`` through the JIT, a
 both timed round-robin in one process. Each figure is the median over rounds
 of the best-of-5 per-call time of back-to-back calls (the GPU work of these
 small calls is shorter than their host time, so the loop is host-bound).
-Parts of a call (cache lookup, allocations, the direct launch) are timed the
-same way, for where the time goes.
+Parts of a call (cache lookup, allocations, the launch) are timed the
+same way, for where the time goes. Where the native launcher runs
+(backends/triton_native.py), every call and the launch are timed again
+through Triton's own launcher ("Triton's launcher"), round-robin with the
+rest. ``--out`` writes the figures as a record (``host_rows``: the bare
+launch, "before" = Triton's launcher, "after" = the native one; a new
+file, an existing one is refused).
 """
 import argparse
+import json
+import os
+import platform
 import statistics
 import time
 
@@ -45,30 +53,42 @@ def per_call_us(fn, calls=400):
 
 
 def parts_of_a_call(T, args, kw):
-    """The cache lookup, the output allocations and the direct launch of one call, timed alone."""
+    """The cache lookup, the output allocations and the launch of one call, timed alone; with the Launch
+    object, whose native launcher the caller switches off for the rows marked so."""
     q, k = args[:2]
     ropepool.rope_pool_fused(*args, **kw)
     arrays = (*args, None, None)
     # api.rope_pool_fused's key (plan.pool_key's arguments: the keywords in the signature's order, then q, k)
     scalars = plan.pool_key(kw["head_dim"], kw["num_qo_heads"], kw["num_kv_heads"], kw["rope_base"], *(None,) * 13,
                             q, k)
-    print("layout cache:", "hit" if plan.lookup(scalars, arrays) is not None else "MISSED (every call checked in full)")
-    launch = plan.make(validate.check(*args, **kw), q, "triton").bind(*args)
+    launch = plan.lookup(scalars, arrays)  # the runner rope_pool_fused calls
+    print("layout cache:", "hit" if launch is not None else "MISSED (every call checked in full)")
+    if launch is None:
+        launch = plan.make(validate.check(*args, **kw), q, "triton").bind(*args)
+    print("native launcher:", "yes" if launch.native is not None else "no (Triton's launcher)")
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     contiguous = torch.contiguous_format
-    return {
+    parts = {
         f"  cache lookup T={T}": lambda: plan.lookup(scalars, arrays),
         f"  two output allocations T={T}": lambda: (torch.empty_like(q, memory_format=contiguous),
                                                     torch.empty_like(k, memory_format=contiguous)),
         f"  launch, outputs given T={T}": lambda: launch(*args, qo, ko),
     }
+    if launch.native is not None:
+        parts[f"  launch, outputs given T={T}, Triton's launcher"] = parts[f"  launch, outputs given T={T}"]
+    return launch, parts
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7, help="round-robin rounds; the median is reported")
     p.add_argument("--tokens", default="1,16,64,256", help="comma-separated token counts")
+    p.add_argument("--out", help="write the record here (JSON)")
+    p.add_argument("--note", default="", help="the record's note: the machine, its load, the command")
+    p.add_argument("--commit", default=None, help="the record's commit: the code measured")
     a = p.parse_args()
+    if a.out and os.path.exists(a.out):
+        p.error(f"{a.out} exists: records are added, never overwritten")
     Hq, Hkv, D, P = 32, 8, 128, 262144
     dev, dt = "cuda", torch.bfloat16
     kp = torch.empty(P, Hkv, D, device=dev, dtype=dt)
@@ -76,7 +96,7 @@ def main():
     kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope_base=5e5)
     x = torch.empty(16, device=dev)
     fns = {"bare Triton launch": lambda: bump[(1,)](x)}
-    parts = {}
+    parts, launches = {}, []
     for T in map(int, a.tokens.split(",")):
         qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=dev, dtype=dt)
         q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], -1))
@@ -86,17 +106,47 @@ def main():
         fns[f"rope_pool_fused T={T}"] = lambda args=args: ropepool.rope_pool_fused(*args, **kw)
         if not parts:  # where the time goes, for the first token count
             parts = parts_of_a_call(T, args, kw)
+        # Each token count's runner (a one-token view has other strides: its own layout), switched below.
+        ropepool.rope_pool_fused(*args, **kw)
+        launches.append(plan.lookup(plan.pool_key(D, Hq, Hkv, 5e5, *(None,) * 13, q, k), (*args, None, None)))
+    launch, parts = parts
+    launches.append(launch)
+    natives = [(r, r.native) for r in launches if getattr(r, "native", None) is not None]
+    if natives:
+        fns.update({f"{name}, Triton's launcher": fn for name, fn in fns.items() if name.startswith("rope_pool")})
     fns.update(parts)
     results = {name: [] for name in fns}
     for _ in range(a.rounds):
         for name, fn in fns.items():
+            for runner, native in natives:
+                runner.native = None if "Triton's launcher" in name else native
             results[name].append(per_call_us(fn))
     bare = statistics.median(results["bare Triton launch"])
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
-    print(f"{'':34s} {'µs (median)':>12s} {'x bare launch':>14s}")
+    print(f"{'':50s} {'µs (median)':>12s} {'x bare launch':>14s}")
     for name, vals in results.items():
         med = statistics.median(vals)
-        print(f"{name:34s} {med:12.2f} {med / bare:14.2f}")
+        print(f"{name:50s} {med:12.2f} {med / bare:14.2f}")
+    if a.out:
+        write_record(a, results)
+
+
+def write_record(a, results):
+    """host_rows as ropepool.cli.bench_records reads them: the bare launch (tokens 0), each call's "before"
+    (Triton's launcher) and "after" (the native launcher)."""
+    rows = [dict(pinned="none", geometry="llama3-8b", provider="bare", tokens=0,
+                 us=round(statistics.median(results["bare Triton launch"]), 2))]
+    for T in map(int, a.tokens.split(",")):
+        for provider, name in (("before", f"rope_pool_fused T={T}, Triton's launcher"),
+                               ("after", f"rope_pool_fused T={T}")):
+            if name in results:
+                rows.append(dict(pinned="none", geometry="llama3-8b", provider=provider, tokens=T,
+                                 us=round(statistics.median(results[name]), 2)))
+    env = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "commit": a.commit, "note": a.note}
+    with open(a.out, "x") as f:
+        json.dump({"env": env, "host_rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

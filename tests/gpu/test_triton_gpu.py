@@ -319,3 +319,40 @@ def test_later_calls_launch_directly(rng, monkeypatch):
     finally:
         chain.remove(hook)
     assert slow and seen, "a launch hook was set but not called"
+
+
+def test_later_calls_launch_natively(rng, monkeypatch):
+    """Where the native launcher runs (backends/triton_native.py), a layout's later calls of either variant
+    (decode-sized, large) go through it and stay exact; a call it cannot take (an array not 16-byte aligned, the
+    layout unchanged) falls back to Triton's launch, exact too."""
+    from ropepool.backends import triton_native
+
+    if triton_native.module() is None:
+        pytest.skip("no native launcher here (not built, no tvm-ffi, or a torch without the DLPack exchange API)")
+    taken = []
+    make = triton_native.make
+
+    def counted(*args):
+        fn = make(*args)
+        return None if fn is None else lambda *a: taken.append(fn(*a)) or taken[-1]
+
+    monkeypatch.setattr(triton_native, "make", counted)
+    Hq, Hkv, D = 6, 2, 96  # a geometry of its own: its launchers are made here, with the counting function
+
+    def native_call(T, offset):
+        """A call whose q starts ``offset`` elements into its buffer (bfloat16: 8 keeps 16-byte alignment)."""
+        flat = X.array(randn(rng, T * Hq * D + 8, dtype="bfloat16", scale=2.0))
+        q = flat[offset:offset + T * Hq * D].view(T, Hq, D)
+        k, v = (X.array(randn(rng, T, Hkv, D, dtype="bfloat16", scale=2.0)) for _ in range(2))
+        slots = make_slots(rng, T, 4 * T, skip_every=5)
+        cache = poison(make_cache(rng, "bfloat16", 4 * T, Hkv, D), slots)
+        run_checked(X, q, k, v, make_positions(rng, T), slots, cache, rope_base=500000.0)
+
+    for T in (5, 100):  # small_tokens is 64: both variants
+        native_call(T, 8)  # compiles the variant (Triton's launch), then makes the native launcher
+        taken.clear()
+        native_call(T, 8)
+        assert taken == [True], f"T={T}: a repeated call did not take the native launch ({taken})"
+    taken.clear()
+    native_call(5, 1)  # 2 bytes off: the native launcher declines, Triton's launch compiles and runs it
+    assert taken == [False], taken

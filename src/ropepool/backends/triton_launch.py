@@ -13,6 +13,7 @@ import inspect
 import torch
 import triton
 
+from . import triton_native
 from .triton_kernel import INTERPRET, rope_pool_kernel
 
 CONSTEXPRS = [n for n, p in inspect.signature(rope_pool_kernel.fn).parameters.items()
@@ -48,6 +49,8 @@ class Launch:
         # Per variant, once compiled: (C launch function, programs a token, the args before the arrays',
         # the args after them).
         self.direct = [None, None]
+        # The same as one C++ call (triton_native), where it can run: (per variant) its spec, and the launcher.
+        self.specs, self.native = [None, None], None
 
     def adopt(self, extras: tuple, long_from, fixed: bool, table_ref=None, scale_views=None) -> "Launch":
         """This layout as an eager plan's runner: the plan's extra tensors (``fixed``: their memory
@@ -70,6 +73,15 @@ class Launch:
             q_out = _empty_like(q, memory_format=_CONTIGUOUS)
         if k_out is None:
             k_out = _empty_like(k, memory_format=_CONTIGUOUS)
+        native = self.native
+        # The whole launch of a decode step in one C++ call; False where it does not apply (a variant not
+        # compiled yet, another device, an unaligned array, no token): the launch below handles those.
+        if native is not None and not _hooked(_RUNTIME):
+            device = q.get_device()
+            if native(q.shape[0], device, _stream_of(device), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                      positions.data_ptr(), slots.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), q_out.data_ptr(),
+                      k_out.data_ptr()):
+                return q_out, k_out, k_pool, v_pool
         T = q.shape[0]
         large = T > self.small_tokens  # the variant: 0 (decode-sized) or 1
         k_off, v_off = self.offsets
@@ -134,6 +146,9 @@ class Launch:
         if align is True and self.more is not None and positions.ndim == 1:
             launch, lead = _direct_launch(kernel)
             self.direct[variant] = (launch, split, (*lead, None, None, None), (*more, *scalars, *self.tails[variant]))
+            self.specs[variant] = triton_native.spec(kernel, split, self.offsets, (*more, *scalars,
+                                                                                   *self.tails[variant]))
+            self.native = triton_native.make(q.get_device(), self.small_tokens, self.specs)
 
 
 def _direct_launch(kernel) -> tuple:

@@ -1,0 +1,85 @@
+"""The eager CUDA call's launch in one C++ call: native/triton_launch.cc, through apache-tvm-ffi.
+
+Triton's launcher takes every kernel argument as a Python object on every
+call (about 30 here); the native launcher is given the compiled kernel's
+handle and every argument that does not change for a layout once
+(``spec``), and each call passes the token count, the device, the stream and
+the 9 arrays' addresses. It is used where it can be: a built
+``_triton_launch``, tvm-ffi, a torch with the DLPack C exchange API (on an
+older torch, importing tvm-ffi would try to compile an add-on for it), and a
+compiled kernel this launcher understands (checked here from its signature
+and metadata). Anywhere else ``make`` returns None and Triton's launch runs,
+as before.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+_HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
+_state: dict = {}
+ARRAYS = 9  # q, k, v, positions, slots, k_pool, v_pool, q_out, k_out: the kernel's first parameters
+_INTS = {"i32": 32, "i64": 64, "u32": 32, "u64": 64}
+
+
+def module():
+    """The loaded launcher module, or None where it cannot run (see the module's doc)."""
+    if "module" not in _state:
+        _state["module"] = _load()
+    return _state["module"]
+
+
+def _load():
+    found = sorted(glob.glob(os.path.join(_HERE, "_triton_launch*.so")))
+    # Checked before tvm-ffi is imported (see above).
+    if not found or not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        return None
+    try:
+        from ..native import _import_tvm_ffi
+
+        return _import_tvm_ffi().load_module(found[0])
+    except Exception:  # tvm-ffi missing, or a build for another tvm-ffi: Triton's launch runs
+        return None
+
+
+def spec(kernel, split: int, offsets: tuple, args: tuple) -> list | None:
+    """What the native launcher needs of one compiled variant (native/triton_launch.cc's layout), or None if
+    this kernel is not one it launches. ``args``: the kernel's arguments after the 9 arrays, as Triton was
+    given them (pointers as ints, None, scalars, constexprs)."""
+    meta, run = getattr(kernel, "metadata", None), getattr(kernel, "run", None)
+    signature = getattr(getattr(kernel, "src", None), "signature", None)
+    if meta is None or run is None or not isinstance(signature, dict) or len(signature) != ARRAYS + len(args):
+        return None
+    plain = (getattr(meta, "num_ctas", 1) == 1 and not getattr(meta, "launch_cooperative_grid", False)
+             and not getattr(meta, "launch_pdl", False) and not getattr(meta, "tensordesc_meta", None)
+             and not getattr(run, "global_scratch_size", 0) and not getattr(run, "profile_scratch_size", 0)
+             and getattr(kernel, "function", None))
+    if not plain:
+        return None
+    at, words = [-1] * ARRAYS, []
+    for i, (ty, value) in enumerate(zip(signature.values(), (None,) * ARRAYS + tuple(args))):
+        if ty == "constexpr":  # constexprs, and what Triton specialised into one (None pointers, ints equal to 1)
+            continue
+        if i < ARRAYS and isinstance(ty, str) and ty.startswith("*"):
+            at[i] = len(words)
+            words.append(0)
+        elif isinstance(ty, str) and (ty.startswith("*") or ty in _INTS) and isinstance(value, int):
+            bits = value & ((1 << _INTS.get(ty, 64)) - 1)
+            words.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
+        else:  # a parameter type this launcher does not pack (floats, tuples, descriptors)
+            return None
+    return [kernel.function, split, 32 * meta.num_warps, meta.shared, *offsets, *at, *words]
+
+
+def make(device: int, small_tokens: int, specs: list):
+    """The native launcher of these variants (None where one is not compiled yet), or None (no module, no
+    CUDA driver)."""
+    mod = module()
+    if mod is None or not any(specs):
+        return None
+    try:
+        return mod.make(device, small_tokens, *(s or [] for s in specs))
+    except Exception:  # no CUDA driver to open: Triton's launch runs
+        return None
