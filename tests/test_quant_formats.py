@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ropepool.formats.affine import AFFINE_BITS, AFFINE_GROUP_SIZES
 from ropepool.reference import quant as rq
 from tests import quant_ports as port
 from tests.harness import HAS, assert_same_bits, make_slots
@@ -144,8 +145,8 @@ def test_nvfp4_array_math_as_model(framework):
     assert_same_bits("block scales", sf, want_sf.view(np.uint8))
 
 
-@pytest.mark.parametrize("group_size", rq.AFFINE_GROUP_SIZES)
-@pytest.mark.parametrize("bits", rq.AFFINE_BITS)
+@pytest.mark.parametrize("group_size", AFFINE_GROUP_SIZES)
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_affine_torch_math_as_model(dtype, bits, group_size):
     """ropepool's torch affine math == the model of mx.quantize (checked against mx.quantize above)."""
@@ -176,8 +177,8 @@ def affine_rows_input(rng, T, D, dtype):
     return x.astype(AFFINE_DTYPES[dtype])
 
 
-@pytest.mark.parametrize("group_size", rq.AFFINE_GROUP_SIZES)
-@pytest.mark.parametrize("bits", rq.AFFINE_BITS)
+@pytest.mark.parametrize("group_size", AFFINE_GROUP_SIZES)
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("dtype", list(AFFINE_DTYPES))
 def test_affine_rows_as_mx_quantize(dtype, bits, group_size):
     pytest.importorskip("mlx.core")
@@ -188,7 +189,7 @@ def test_affine_rows_as_mx_quantize(dtype, bits, group_size):
         assert_same_bits(name, got, want)
 
 
-@pytest.mark.parametrize("bits", rq.AFFINE_BITS)
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("pool", list(POOLS))
 def test_affine_writes_as_mlx(pool, bits):
     pytest.importorskip("mlx.core")

@@ -9,7 +9,7 @@ adapter (``torch_arrays.TorchOps``, ``mlx_arrays.MlxOps``).
 """
 from __future__ import annotations
 
-from ..reference.quant import E2M1_MAX, NVFP4_BLOCK
+from ..formats.nvfp4 import E2M1_MAX, NVFP4_BLOCK
 
 # e2m1 rounds to 0, 0.5, 1, 1.5, 2, 3, 4, 6: the code is how many midpoints a magnitude passes. A tie goes to
 # the even code: a midpoint with an odd code above it counts only once passed (>), one with an even code above

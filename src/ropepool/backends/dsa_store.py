@@ -9,7 +9,7 @@ is the framework's adapter (``torch_arrays.TorchOps``, ``mlx_arrays.MlxOps``).
 from __future__ import annotations
 
 from ..checks import dsa
-from ..checks.layout import paged_view
+from ..core.layout import paged_view
 
 FLT_MIN = 1.1754943508222875e-38  # float32's smallest normal: the floor of an fp8_ds_mla tile scale
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..checks.layout import page_and_row, row_ids
+from ..core.layout import page_and_row, row_ids
 from . import arraymath, blockquant, paths
 from .mlx_arrays import MlxOps, extras
 

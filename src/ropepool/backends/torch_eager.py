@@ -8,7 +8,7 @@ views.
 """
 from __future__ import annotations
 
-from ..checks.layout import page_and_row, paged_view, write_at
+from ..core.layout import page_and_row, paged_view, write_at
 from . import arraymath, blockquant, dsa_store
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 

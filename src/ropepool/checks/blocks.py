@@ -16,11 +16,12 @@ written, naming the part, and returns the two pools' ``stores.Store``.
 """
 from __future__ import annotations
 
+from ..core.dtypes import FRAMEWORK_TYPES, dtype_name, framework_of
+from ..core.stores import Store
 from ..errors import RopePoolError
-from ..plan.stores import Store
-from ..reference.quant import AFFINE_BITS, AFFINE_GROUP_SIZES, E2M1_MAX, NVFP4_BLOCK
+from ..formats.affine import AFFINE_BITS, AFFINE_GROUP_SIZES
+from ..formats.nvfp4 import E2M1_MAX, NVFP4_BLOCK
 from .arrays import same_place, shape_of
-from .dtypes import FRAMEWORK_TYPES, dtype_name, framework_of
 from .pools import check_pool_scales
 
 PARTS = {"nvfp4": ("data", "block scales"), "affine": ("words", "scales", "biases")}

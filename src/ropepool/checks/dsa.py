@@ -15,8 +15,9 @@ shapes and dtype names, so the NumPy oracle, PyTorch and MLX share them.
 """
 from __future__ import annotations
 
+from ..core.dtypes import dtype_name, framework_of
 from ..errors import RopePoolError
-from .dtypes import dtype_name, framework_of
+from .refusals import refuse
 
 E4M3_MAX = 448.0  # the writers divide amax by it (kFp8ScaleDivisor; 224 only on ROCm's fnuz gfx942)
 
@@ -66,9 +67,7 @@ def ds_mla_kpe(op: str, cache_format, ckv_cache, kpe_cache, kv_c, k_pe, scale):
         return None
     check_ds_mla(kv_c, k_pe, ckv_cache)
     if framework_of(ckv_cache) != "torch":
-        from .. import backends
-
-        backends.refuse(framework_of(ckv_cache), "pool.fp8_ds_mla")  # MLX: no views of a byte row
+        refuse(framework_of(ckv_cache), "pool.fp8_ds_mla")  # MLX: no views of a byte row
         return None
     if ckv_cache.stride(-1) != 1:
         raise RopePoolError(f"{op} expects each 656-byte fp8_ds_mla row to be contiguous; got a last-dim stride of "

@@ -15,16 +15,16 @@ import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .. import backends
+from ..core.dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_name, tracing
+from ..core.layout import TILED, PoolGeometry
+from ..core.stores import PLAIN, Store, Stores
+from ..core.support import takes
 from ..errors import RopePoolError
-from ..plan.stores import PLAIN, Store, Stores
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache, RopeSpec, Rotation
 from . import dsa
 from .arrays import check_devices, check_ints, check_strides, check_types, reshape_word, same_place, shape_of
 from .blocks import check_block_pools, first_array, is_block_pool
-from .dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_name, tracing
-from .layout import TILED, PoolGeometry
 from .pools import (
     check_distinct_pools,
     check_pool_dtypes,
@@ -33,6 +33,7 @@ from .pools import (
     check_scale,
     check_scale_caches,
 )
+from .refusals import refuse
 from .values import check_values
 
 _ARRAYS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool")
@@ -55,7 +56,7 @@ class Call:
     rotation: Rotation
     position_rows: int  # 3 for [3, num_tokens] MRoPE positions
     norm: QKNorm | None
-    # How each destination stores its rows (plan/stores.py): formats, bounds, scales. Per-token-head scale caches
+    # How each destination stores its rows (core/stores.py): formats, bounds, scales. Per-token-head scale caches
     # are held weakly (Store.scale_ref): a remembered runner must not keep the caller's caches alive
     # (plan/cache.py drops its keys when they are freed).
     stores: Stores
@@ -134,9 +135,9 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
     width = head_dim if pools is None else k_pool.shape[-1]
     pool = check_pools(op, ("k_pool", "v_pool"), k_pool, v_pool, layer, kv_layout, num_kv_heads, width, width, fw)
     if pth:
-        backends.refuse(fw, "pool.per_token_head")
+        refuse(fw, "pool.per_token_head")
     fp8 = None if pools else check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw,
-                                                pth if backends.takes(fw, "pool.per_token_head") else None)
+                                                pth if takes(fw, "pool.per_token_head") else None)
     if pth:
         caches = check_scale_caches(("k_scale_cache", "v_scale_cache"), caches, fp8, (k_pool, v_pool), q,
                                      (k_scale, v_scale), fw)
@@ -146,7 +147,7 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
                                               num_kv_heads)
         pools = (_store(fp8, k_scale), _store(fp8, v_scale))
     if pool.kv_layout in TILED:
-        backends.refuse(fw, "layout." + pool.kv_layout)
+        refuse(fw, "layout." + pool.kv_layout)
         if pools[0].quantized:
             raise RopePoolError(f"kv_layout={pool.kv_layout!r} takes pools in q's dtype; got {pools[0].format} pools "
                                 f"({dtype_name(k_pool)}). Fix: allocate the cache in q's dtype (vLLM packs its AMX "
@@ -162,10 +163,10 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
                 _store(*_check_out("k_out", k_out, k, "k_out_scale", k_out_scale)))
     else:  # outputs are written in place: the backends of other frameworks may not take them (their rows say)
         if q_out is not None or k_out is not None:
-            backends.refuse(fw, "out", names="q_out/k_out")
+            refuse(fw, "out", names="q_out/k_out")
         for name, s in (("q_scale", q_scale), ("k_out_scale", k_out_scale)):
             if s is not None:
-                backends.refuse(fw, f"{name[0]}_out.scaled", name=name)
+                refuse(fw, f"{name[0]}_out.scaled", name=name)
         outs = (PLAIN, PLAIN)
     call = Call(framework=fw, dtype=dt, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 v_head_dim=head_dim, pool=pool, pool_dtype=dtype_name(k_pool), rotation=rotation, position_rows=rows,
@@ -221,7 +222,7 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
         check_distinct_pools(("ckv_cache", "kpe_cache"), ckv_cache, kpe_cache)
         _check_out("q_pe_out", q_pe_out, q_pe, None, None)
     elif q_pe_out is not None:
-        backends.refuse(fw, "out", names="q_pe_out")
+        refuse(fw, "out", names="q_pe_out")
     call = Call(framework=fw, dtype=dt, num_qo_heads=heads, num_kv_heads=1, head_dim=rope_dim,
                 v_head_dim=kv_lora_rank, pool=pool, pool_dtype=dtype_name(kpe_cache), rotation=rotation,
                 position_rows=rows, norm=None, stores=stores,
@@ -240,7 +241,7 @@ def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quan
     fw = check_types(op, _INDEXER_ARRAYS, (q, k, positions, slots, k_cache), frameworks)
     if fw == "torch":
         check_devices(op, _INDEXER_ARRAYS + ("q_out",), (q, k, positions, slots, k_cache, q_out))
-    backends.refuse(fw, "pool.indexer")
+    refuse(fw, "pool.indexer")
     if rope is None:
         raise TypeError("rope_indexer_fused needs rope=, a RopeSpec or CosSinCache; got None. Fix: DeepSeek V3.2's "
                         "indexer rotates NeoX pairs of its first 64 features: RopeSpec(head_dim=128, rotary_dim=64, "
@@ -262,7 +263,7 @@ def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quan
         dsa.check_indexer_pages(op, k_cache, pool.page_size)
         _check_out("q_out", q_out, q, None, None)
     elif q_out is not None:
-        backends.refuse(fw, "out", names="q_out")
+        refuse(fw, "out", names="q_out")
     key = Store("indexer_ue8m0" if scale_fmt == "ue8m0" else "indexer", "float8_e4m3fn", QMAX["float8_e4m3fn"])
     call = Call(framework=fw, dtype=dt, num_qo_heads=heads, num_kv_heads=1, head_dim=D, v_head_dim=D, pool=pool,
                 pool_dtype="uint8", rotation=rotation, position_rows=rows, norm=None,

@@ -27,8 +27,8 @@ import sys
 import weakref
 from typing import Callable
 
-from ..checks import validate  # (the module: see plan/__init__.py)
-from ..checks.dtypes import tracing
+from ..checks import validate
+from ..core.dtypes import tracing
 from ..rotation.spec import CosSinCache, ScaleKey, TableKey
 
 

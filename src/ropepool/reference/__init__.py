@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..checks import validate
-from ..checks.dtypes import QMAX
-from ..checks.layout import page_and_row, paged_view
+from ..core.dtypes import QMAX
+from ..core.layout import page_and_row, paged_view
 from . import quant
 
 

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from ..checks import dsa
-from ..checks.layout import page_and_row, paged_view, pool_geometry
+from ..core.layout import page_and_row, paged_view, pool_geometry
 from . import cos_sin, rope_and_norm
 
 FLT_MIN = float(np.finfo(np.float32).tiny)  # the ds_mla tile scale's floor (CUDA's FLT_MIN)

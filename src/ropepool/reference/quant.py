@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checks.layout import page_and_row, paged_view, pool_geometry
+from ..core.layout import page_and_row, paged_view, pool_geometry
+from ..formats.nvfp4 import E2M1_MAX, NVFP4_BLOCK
 
-NVFP4_BLOCK = 16
-E2M1_MAX = 6.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # code 0..7: the magnitudes of e2m1
 E4M3_MAX = 448.0
-AFFINE_BITS = (4, 8)  # the kv_bits mlx-lm's quantized cache is used with here
-AFFINE_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize has
 
 
 def _f32(x):

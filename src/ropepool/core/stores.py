@@ -18,7 +18,7 @@ Adding a cache format (e.g. fp8_ds_mla rows, NVFP4, MLX's affine 4/8-bit):
    ``scale_ref`` (or, for an array of another meaning, a new name in
    ``plan.EXTRAS``, the one list of the kernels' extra arrays);
 3. the kernel branch in each backend that takes it, and the feature
-   ``"pool.<name>"`` in that backend's ``supports`` (backends/__init__.py).
+   ``"pool.<name>"`` in that backend's row of ``support.SUPPORT`` (core/support.py).
 
 No argument order changes anywhere else: the MLX graph cache is keyed by
 ``plan.Plan.key``, which reads each store's ``key``, and the Triton kernel's
