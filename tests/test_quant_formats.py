@@ -121,9 +121,9 @@ def test_nvfp4_scale_cases_reached():
 
 @pytest.mark.parametrize("framework", ["torch", "mlx"])
 def test_nvfp4_array_math_as_model(framework):
-    """ropepool's NVFP4 store math (backends/blockquant.py) on torch and MLX == the model, every byte."""
+    """ropepool's NVFP4 store math (formats/nvfp4.py) on torch and MLX == the model, every byte."""
     pytest.importorskip(framework if framework == "torch" else "mlx.core")
-    from ropepool.backends import blockquant
+    from ropepool.formats import nvfp4
 
     rows = nvfp4_rows(np.random.default_rng(3), 33, 128, ml_dtypes.bfloat16).astype(np.float32)
     want_data, want_sf = rq.nvfp4_rows(rows, 0.37)
@@ -132,14 +132,14 @@ def test_nvfp4_array_math_as_model(framework):
 
         from ropepool.backends.torch_arrays import TorchOps
 
-        data, sf = blockquant.nvfp4(torch.from_numpy(rows), torch.tensor(0.37), TorchOps)
+        data, sf = nvfp4.nvfp4(torch.from_numpy(rows), torch.tensor(0.37), TorchOps)
         data, sf = data.numpy(), sf.numpy()
     else:
         import mlx.core as mx
 
         from ropepool.backends.mlx_arrays import MlxOps
 
-        data, sf = blockquant.nvfp4(mx.array(rows), mx.array(0.37), MlxOps)
+        data, sf = nvfp4.nvfp4(mx.array(rows), mx.array(0.37), MlxOps)
         data, sf = np.array(data), np.array(sf)
     assert_same_bits("data", data, want_data)
     assert_same_bits("block scales", sf, want_sf.view(np.uint8))
@@ -151,10 +151,10 @@ def test_nvfp4_array_math_as_model(framework):
 def test_affine_torch_math_as_model(dtype, bits, group_size):
     """ropepool's torch affine math == the model of mx.quantize (checked against mx.quantize above)."""
     torch = pytest.importorskip("torch")
-    from ropepool.backends import blockquant
+    from ropepool.formats import affine
 
     rows = affine_rows_input(np.random.default_rng(bits + group_size), 9, 128, dtype)
-    words, scales, biases = blockquant.affine_torch(torch.from_numpy(rows.astype(np.float32)), bits, group_size,
+    words, scales, biases = affine.torch_quantize(torch.from_numpy(rows.astype(np.float32)), bits, group_size,
                                                     getattr(torch, dtype))
     want = rq.affine_rows(rows, bits, group_size)
     assert_same_bits("words", words.numpy().view(np.uint32), want[0])

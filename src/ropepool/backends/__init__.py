@@ -4,7 +4,7 @@ A row names the backend (``backend=`` picks rows by it; the CPU lane and the
 general torch code are both ``"torch"``), its framework, the module that
 prepares a plan (``prepare(plan, tuning, fallback)`` -> an object whose
 ``bind(*arrays)`` gives the runner), the features it supports
-(``plan.Plan.features``, declared in core/support.py), the device types it
+(``plan.Plan.features``, declared in support.py), the device types it
 is picked for automatically, and why it cannot run here (``why_not(q)``: not
 installed, no device). A plan goes to the first row, in ``BACKENDS``' order,
 whose framework and device fit and that ``fits`` the plan's features; a
@@ -22,8 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..core.support import SUPPORT
 from ..errors import RopePoolError
+from ..support import SUPPORT
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,12 @@ def _mlx_why_not(q) -> str | None:
 
 
 def _row(name: str, module: str, **how) -> Backend:
-    """A row whose framework and features are those ``core.support.SUPPORT`` declares for its module."""
+    """A row whose framework and features are those ``support.SUPPORT`` declares for its module."""
     sup = SUPPORT[module]
     return Backend(name, sup.framework, module, sup.features, sup.apart, **how)
 
 
-# In order of preference within a framework; what each takes: core/support.py.
+# In order of preference within a framework; what each takes: support.py.
 BACKENDS = (
     _row("triton", ".triton_op", devices=("cuda",), why_not=_triton_why_not),
     # torch on CPU tensors: one call of the compiled kernel (backends/torch_native.py, ropepool/native); the

@@ -33,7 +33,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..core.layout import page_and_row, row_ids
-from . import arraymath, blockquant, paths
+from ..formats import BLOCK
+from . import arraymath, paths
 from .mlx_arrays import MlxOps, extras
 
 COMPILE_MAX_TOKENS = 64
@@ -91,11 +92,7 @@ def write(pool: mx.array, geom, ids: mx.array, keep: mx.array, rows: mx.array) -
 
 def _block(rows, store, scale):
     """The arrays a block-quantized pool stores for ``rows [T, H, D]`` (the row's dtype), each ``[T, H, ...]``."""
-    T, H, D = rows.shape
-    if store.format == "nvfp4":
-        return blockquant.nvfp4(rows.astype(mx.float32), scale, MlxOps)
-    parts = mx.quantize(rows.reshape(T * H, D), group_size=store.group, bits=store.bits)
-    return tuple(p.reshape(T, H, -1) for p in parts)  # mlx-lm's quantized cache stores exactly these
+    return BLOCK[store.format].rows(rows, store, scale, MlxOps)
 
 
 def _to_pool(rows, store, scale, pool):

@@ -13,7 +13,7 @@ from . import arraymath
 
 class MlxOps:
     """The one spelling, for MLX, of what the shared array math calls on MLX arrays (``arraymath``,
-    ``blockquant``, ``dsa_store``): the names and meanings of ``torch_arrays.TorchOps``, less the functions
+    the formats, ``dsa_store``): the names and meanings of ``torch_arrays.TorchOps``, less the functions
     only torch's stores call (per-token-head scales: ``div``, ``trunc``; the byte offsets of ``put``:
     ``arange``).
 
@@ -36,6 +36,13 @@ class MlxOps:
     @staticmethod
     def absmax_last(x):
         return mx.max(mx.abs(x), axis=-1)
+
+    @staticmethod
+    def affine(x, bits, group):
+        """mx.quantize of rows ``x [..., D]``: words, scales, biases, each ``[..., width]`` (mlx-lm's quantized
+        cache stores exactly these)."""
+        parts = mx.quantize(x.reshape(-1, x.shape[-1]), group_size=group, bits=bits)
+        return tuple(p.reshape(*x.shape[:-1], -1) for p in parts)
 
     @staticmethod
     def f32(x):

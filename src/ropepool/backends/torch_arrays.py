@@ -10,11 +10,12 @@ import numpy as np
 import torch
 
 from ..checks.dsa import E4M3_MAX
+from ..formats import affine
 from . import arraymath
 
 
 class TorchOps:
-    """The one spelling, for torch, of every function the shared array math calls (``arraymath``, ``blockquant``,
+    """The one spelling, for torch, of every function the shared array math calls (``arraymath``, the formats,
     ``dsa_store``; ``mlx_arrays.MlxOps`` is MLX's, with the same names and meanings).
 
     A class of static functions, passed as it is: nothing is made at import or per call, and torch.compile
@@ -33,6 +34,11 @@ class TorchOps:
     @staticmethod
     def absmax_last(x):
         return x.abs().amax(-1)
+
+    @staticmethod
+    def affine(x, bits, group):
+        """mx.quantize's affine format of rows ``x [..., D]`` (words as int32 bits; formats/affine.py)."""
+        return affine.torch_quantize(x.float(), bits, group, x.dtype)
 
     @staticmethod
     def f32(x):

@@ -9,7 +9,8 @@ views.
 from __future__ import annotations
 
 from ..core.layout import page_and_row, paged_view, write_at
-from . import arraymath, blockquant, dsa_store
+from ..formats import BLOCK
+from . import arraymath, dsa_store
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
 
@@ -43,7 +44,7 @@ class Prepared:
         if st.k_pool.bits:  # block-quantized: each pool a tuple of arrays, each written in place
             for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale),
                                              (v_pool, v3, st.v_pool, ex.v_scale)):
-                stored_parts = blockquant.torch_store(rows[write].float(), store, scale, rows.dtype, ops)
+                stored_parts = BLOCK[store.format].rows(rows[write], store, scale, ops)
                 for part, stored in zip(pool, stored_parts):
                     paged_view(part.view(stored.dtype), call.pool).index_put_((page, row), stored)
             return q_rot, k_rot, k_pool, v_pool

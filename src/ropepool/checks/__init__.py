@@ -6,6 +6,6 @@ where an array lives); ``pools``: pools, their layouts, dtypes and scales;
 ``blocks``, ``dsa``: the block-quantized and DeepSeek V3.2 caches;
 ``values``: slot and position values (read without a device sync);
 ``refusals``: features no backend row of the framework implements (as
-core/support.py declares them). The facts they read (dtypes, layouts, stores)
+support.py declares them). The facts they read (dtypes, layouts, stores)
 are core/'s. Each message is listed in docs/errors.md.
 """

@@ -1,10 +1,10 @@
-"""Features no backend row of the call's framework implements (core/support.py), refused before anything is
+"""Features no backend row of the call's framework implements (support.py), refused before anything is
 written, with the framework's own message."""
 from __future__ import annotations
 
 from ..core.dtypes import FRAMEWORK_TYPES
-from ..core.support import DSA, LAYOUT, takes
 from ..errors import RopePoolError
+from ..support import DSA, LAYOUT, takes
 
 FUNCTIONAL = ("mlx", "numpy")  # frameworks whose calls return new arrays: nothing is written in place
 

@@ -18,10 +18,10 @@ from functools import lru_cache
 from ..core.dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_name, tracing
 from ..core.layout import TILED, PoolGeometry
 from ..core.stores import PLAIN, Store, Stores
-from ..core.support import takes
 from ..errors import RopePoolError
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache, RopeSpec, Rotation
+from ..support import takes
 from . import dsa
 from .arrays import check_devices, check_ints, check_strides, check_types, reshape_word, same_place, shape_of
 from .blocks import check_block_pools, first_array, is_block_pool

@@ -2,7 +2,7 @@
 
 The flow is one-way: ``validate`` checks a call and describes it (a frozen
 ``Call``), ``build`` turns that into a ``Plan``, ``make`` picks the backend
-row whose declared support covers the plan's features (core/support.py)
+row whose declared support covers the plan's features (support.py)
 and lets it prepare its launch state once, and ``Ready.bind`` gives the
 function that runs calls of that layout. Tuning values (warps, the head split)
 are an argument of ``make``, never module globals.
@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple
 from .. import backends
 from ..checks import validate
 from ..core.stores import DESTINATIONS, Stores, feature
-from ..core.support import ALL as FEATURES  # every feature a plan may name
+from ..support import ALL as FEATURES  # every feature a plan may name
 from .cache import entry, forget, indexer_key, latent_key, lookup, out_kind, pool_key, remember
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from ..checks import validate
 from ..core.dtypes import QMAX
 from ..core.layout import page_and_row, paged_view
+from ..formats import BLOCK
 from . import quant
 
 
@@ -151,19 +152,13 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_
     st = call.stores
     if st.k_pool.bits:  # tuples of arrays; the row quantized is k_rot rounded to k's dtype, as engines do
         rows = (k_rot.astype(np.asarray(k).dtype), np.asarray(v))
-        pools = tuple(tuple(quant.write_rows(pool, _block_rows(x, store), slots, kv_layout=kv_layout,
-                                                       layer=layer))
+        pools = tuple(tuple(quant.write_rows(pool, BLOCK[store.format].oracle_rows(x, store), slots,
+                                             kv_layout=kv_layout, layer=layer))
                       for pool, x, store in zip((k_pool, v_pool), rows, (st.k_pool, st.v_pool)))
         return (q_rot, k_rot, *pools)
     pools = _write(call, slots, ((k_pool, k_rot, k_scale), (v_pool, np.asarray(v), v_scale)),
                    (k_scale_cache, v_scale_cache))
     return (q_rot, k_rot, *pools)
-
-
-def _block_rows(x, store):
-    if store.format == "nvfp4":
-        return quant.nvfp4_rows(x, float(np.asarray(store.scale, dtype=np.float32).reshape(())))
-    return quant.affine_rows(x, store.bits, store.group)
 
 
 def rope_latent_fused(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, rope, kv_layout=None,

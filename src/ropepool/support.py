@@ -2,23 +2,27 @@
 
 A plan names the features its call uses (``plan.build``: the rotation's, each store's ``stores.feature``, the
 torch call's). A backend row (backends/__init__.py) is picked only if it implements all of them and no set of
-them is one it does not take together (``apart``: a routing rule, as data). The
-checks read ``SUPPORT`` to refuse, before anything is written, a feature that no row of the call's framework
-implements (checks/refusals.py); they import no backend.
+them is one it does not take together (``apart``: a routing rule, as data). Each format module (formats/)
+names the rows that write it (``BACKENDS``). The checks read ``SUPPORT`` to refuse, before anything is
+written, a feature that no row of the call's framework implements (checks/refusals.py); they import no
+backend.
 
-A new feature is implemented by no row until a row below names it.
+A new feature is implemented by no row until a row below (or a format's ``BACKENDS``) names it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import formats
+
 ROTATION = frozenset({"norm", "mrope", "table", "longrope", "latent"})
 SCALED = frozenset({"pool.scaled", "q_out.scaled", "k_out.scaled"})  # fp8 pools and outputs, a fixed scale
-BLOCK = frozenset({"pool.nvfp4", "pool.affine"})  # block-quantized (tuple) pools
+BLOCK = frozenset(f"pool.{name}" for name in formats.BLOCK)  # block-quantized (tuple) pools
 DSA = frozenset({"pool.fp8_ds_mla", "pool.indexer", "pool.indexer_ue8m0", "pool.none"})  # DeepSeek V3.2's caches
 TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
 LAYOUT = frozenset({"layout.amx"})  # tiled pools (core/layout.py: TILED): vLLM's CPU AMX cache
-ALL = ROTATION | SCALED | {"pool.per_token_head"} | BLOCK | DSA | TORCH | LAYOUT
+PER_TOKEN_HEAD = frozenset({"pool.per_token_head"})  # int8 / fp8 pools with per-token-head scale caches
+ALL = ROTATION | SCALED | PER_TOKEN_HEAD | BLOCK | DSA | TORCH | LAYOUT
 
 
 @dataclass(frozen=True)
@@ -28,17 +32,23 @@ class Support:
     apart: tuple = ()  # sets of features the row does not take together
 
 
+def _formats(module: str) -> frozenset:
+    """The formats whose modules name the row ``module`` among their ``BACKENDS``."""
+    return frozenset(f"pool.{m.NAME}" for m in formats.BLOCK.values() if module in m.BACKENDS)
+
+
 # Keyed by the row's module (backends.BACKENDS).
 SUPPORT = {
     # Block pools: not with an fp8 k_out (the kernel quantizes k_rot as returned, read back from k_out), nor traced
     # (the custom op takes no tuples).
-    ".triton_op": Support("torch", ALL, tuple(frozenset({b, f}) for b in sorted(BLOCK) for f in ("k_out.scaled",
-                                                                                                  "traced"))),
+    ".triton_op": Support("torch", ROTATION | SCALED | PER_TOKEN_HEAD | DSA | TORCH | LAYOUT | _formats(".triton_op"),
+                          tuple(frozenset({b, f}) for b in sorted(BLOCK) for f in ("k_out.scaled", "traced"))),
     # The compiled CPU kernel: per-token-head, block and DeepSeek V3.2's caches, autograd and tracing stay on the
     # general torch code.
     ".torch_native": Support("torch", ROTATION | SCALED | LAYOUT),
-    ".torch_eager": Support("torch", ALL),
-    ".mlx": Support("mlx", ROTATION | {"pool.scaled"} | BLOCK),
+    ".torch_eager": Support("torch", ROTATION | SCALED | PER_TOKEN_HEAD | DSA | TORCH | LAYOUT |
+                            _formats(".torch_eager")),
+    ".mlx": Support("mlx", ROTATION | {"pool.scaled"} | _formats(".mlx")),
 }
 
 
