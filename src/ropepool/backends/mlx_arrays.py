@@ -38,13 +38,6 @@ class MlxOps:
         return mx.max(mx.abs(x), axis=-1)
 
     @staticmethod
-    def affine(x, bits, group):
-        """mx.quantize of rows ``x [..., D]``: words, scales, biases, each ``[..., width]`` (mlx-lm's quantized
-        cache stores exactly these)."""
-        parts = mx.quantize(x.reshape(-1, x.shape[-1]), group_size=group, bits=bits)
-        return tuple(p.reshape(*x.shape[:-1], -1) for p in parts)
-
-    @staticmethod
     def f32(x):
         return x.astype(mx.float32)
 

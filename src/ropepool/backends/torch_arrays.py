@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from ..checks.dsa import E4M3_MAX
-from ..formats import affine
 from . import arraymath
 
 
@@ -34,11 +33,6 @@ class TorchOps:
     @staticmethod
     def absmax_last(x):
         return x.abs().amax(-1)
-
-    @staticmethod
-    def affine(x, bits, group):
-        """mx.quantize's affine format of rows ``x [..., D]`` (words as int32 bits; formats/affine.py)."""
-        return affine.torch_quantize(x.float(), bits, group, x.dtype)
 
     @staticmethod
     def f32(x):

@@ -10,14 +10,14 @@ then each value is ``rint((w - bias) / scale)`` clipped to ``[0, 2**bits - 1]``,
 fill one uint32 word, element ``k`` at bit ``k * bits``. Scales and biases are stored in the row's dtype.
 
 Here: the check of a cache's parts (``check``), the NumPy model (``oracle_rows``), the same steps on torch
-(``torch_quantize``; on MLX the format is ``mx.quantize`` itself: ``mlx_arrays.MlxOps.affine``). The Triton
+(``torch_quantize``; on MLX the format is ``mx.quantize`` itself: ``rows``). The Triton
 kernel's store is ``backends/triton_stores.py: affine_store``.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..core.dtypes import dtype_name
+from ..core.dtypes import dtype_name, framework_of
 from ..errors import RopePoolError
 from .parts import dtype
 
@@ -117,6 +117,11 @@ def torch_quantize(x32, bits: int, group_size: int, dtype):
 
 
 def rows(x, store, scale, ops):
-    """The parts the cache stores for rows ``x [..., D]`` (in the row's dtype): the framework's quantizer
-    (``ops.affine``: ``torch_quantize``, or ``mx.quantize``)."""
-    return ops.affine(x, store.bits, store.group)
+    """The parts the cache stores for rows ``x [..., D]`` (in the row's dtype), torch or MLX. On MLX,
+    ``mx.quantize`` itself: mlx-lm's quantized cache stores exactly what it returns."""
+    if framework_of(x) == "mlx":
+        import mlx.core as mx
+
+        parts = mx.quantize(x.reshape(-1, x.shape[-1]), group_size=store.group, bits=store.bits)
+        return tuple(p.reshape(*x.shape[:-1], -1) for p in parts)
+    return torch_quantize(x.float(), store.bits, store.group, x.dtype)
