@@ -107,11 +107,17 @@ def build(call: validate.Call) -> Plan:
 
 @dataclass(frozen=True)
 class Tuning:
-    """The Triton launcher's choices; None picks the measured default for the call (docs/benchmarks.md)."""
+    """Every backend's settings, read when a plan is prepared (``make``), never from module globals.
+
+    Triton: None picks the measured default for the call (docs/benchmarks.md). MLX (docs/mlx.md): calls of up
+    to ``compile_tokens`` tokens run one ``mx.compile``d graph; larger ones on the CPU, in chunks of about
+    ``chunk_features`` q features (1 MB of float32 temporaries)."""
 
     num_warps: int | None = None
     head_split: int | None = None  # programs a token's heads are split over, at up to small_tokens tokens
     small_tokens: int = 64
+    compile_tokens: int = 64
+    chunk_features: int = 1 << 18
 
 
 DEFAULT_TUNING = Tuning()
