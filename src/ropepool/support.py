@@ -17,12 +17,13 @@ from . import formats
 
 ROTATION = frozenset({"norm", "mrope", "table", "longrope", "latent"})
 SCALED = frozenset({"pool.scaled", "q_out.scaled", "k_out.scaled"})  # fp8 pools and outputs, a fixed scale
+FORMATS = frozenset(formats.ROWS)  # the formats of formats/: "pool.<name>"
 BLOCK = frozenset(f"pool.{name}" for name in formats.BLOCK)  # block-quantized (tuple) pools
-DSA = frozenset({"pool.fp8_ds_mla", "pool.indexer", "pool.indexer_ue8m0", "pool.none"})  # DeepSeek V3.2's caches
+DSA = frozenset(f"pool.{name}" for name in (*formats.BYTES, formats.NONE))  # DeepSeek V3.2's byte caches
 TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
 LAYOUT = frozenset({"layout.amx"})  # tiled pools (core/layout.py: TILED): vLLM's CPU AMX cache
 PER_TOKEN_HEAD = frozenset({"pool.per_token_head"})  # int8 / fp8 pools with per-token-head scale caches
-ALL = ROTATION | SCALED | PER_TOKEN_HEAD | BLOCK | DSA | TORCH | LAYOUT
+ALL = ROTATION | SCALED | PER_TOKEN_HEAD | FORMATS | TORCH | LAYOUT
 
 
 @dataclass(frozen=True)
@@ -34,20 +35,19 @@ class Support:
 
 def _formats(module: str) -> frozenset:
     """The formats whose modules name the row ``module`` among their ``BACKENDS``."""
-    return frozenset(f"pool.{m.NAME}" for m in formats.BLOCK.values() if module in m.BACKENDS)
+    return frozenset(f for f, rows in formats.ROWS.items() if module in rows)
 
 
 # Keyed by the row's module (backends.BACKENDS).
 SUPPORT = {
     # Block pools: not with an fp8 k_out (the kernel quantizes k_rot as returned, read back from k_out), nor traced
     # (the custom op takes no tuples).
-    ".triton_op": Support("torch", ROTATION | SCALED | PER_TOKEN_HEAD | DSA | TORCH | LAYOUT | _formats(".triton_op"),
+    ".triton_op": Support("torch", ROTATION | SCALED | PER_TOKEN_HEAD | TORCH | LAYOUT | _formats(".triton_op"),
                           tuple(frozenset({b, f}) for b in sorted(BLOCK) for f in ("k_out.scaled", "traced"))),
     # The compiled CPU kernel: per-token-head, block and DeepSeek V3.2's caches, autograd and tracing stay on the
     # general torch code.
     ".torch_native": Support("torch", ROTATION | SCALED | LAYOUT),
-    ".torch_eager": Support("torch", ROTATION | SCALED | PER_TOKEN_HEAD | DSA | TORCH | LAYOUT |
-                            _formats(".torch_eager")),
+    ".torch_eager": Support("torch", ROTATION | SCALED | PER_TOKEN_HEAD | TORCH | LAYOUT | _formats(".torch_eager")),
     ".mlx": Support("mlx", ROTATION | {"pool.scaled"} | _formats(".mlx")),
 }
 

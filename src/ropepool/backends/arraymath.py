@@ -2,7 +2,7 @@
 
 The Triton kernel does this per token in registers; here it is whole-array
 code over an ``ops`` adapter (``torch_arrays.TorchOps``, ``mlx_arrays.MlxOps``,
-shared with the formats (formats/) and ``dsa_store``) that names the few functions
+shared with the formats, formats/) that names the few functions
 whose spelling differs. The NumPy oracle (``ropepool.reference``) is not
 written over it: it is the independent float64 definition these are checked
 against. It reads only the Call's records: the

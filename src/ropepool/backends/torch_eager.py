@@ -9,8 +9,8 @@ views.
 from __future__ import annotations
 
 from ..core.layout import page_and_row, paged_view, write_at
-from ..formats import BLOCK
-from . import arraymath, dsa_store
+from ..formats import BLOCK, BYTES, NONE
+from . import arraymath
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
 
@@ -51,8 +51,10 @@ class Prepared:
         for which, (pool, rows, store, scale) in enumerate(((k_pool, k_rows, st.k_pool, ex.k_scale),
                                                             (v_pool, v3, st.v_pool, ex.v_scale))):
             rows = rows[write]
-            if store.format in dsa_store.FORMATS:  # DeepSeek V3.2's byte rows (backends/dsa_store.py)
-                dsa_store.put(store.format, pool, call.pool, page, row, rows[:, 0], ops)
+            if store.format in BYTES:  # DeepSeek V3.2's byte rows (formats/fp8_ds_mla.py, formats/indexer.py)
+                BYTES[store.format].put(store.format, pool, call.pool, page, row, rows[:, 0], ops)
+                continue
+            if store.format == NONE:
                 continue
             if store.format == "per_token_head":  # each row's scale, where the pool keeps the row
                 rows, s = arraymath.quantize_per_token_head(rows.float(), store.qmax, store.integer, ops)

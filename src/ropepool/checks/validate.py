@@ -19,10 +19,10 @@ from ..core.dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_na
 from ..core.layout import TILED, PoolGeometry
 from ..core.stores import PLAIN, Store, Stores
 from ..errors import RopePoolError
+from ..formats import NONE, fp8_ds_mla, indexer
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache, RopeSpec, Rotation
 from ..support import takes
-from . import dsa
 from .arrays import check_devices, check_ints, check_strides, check_types, reshape_word, same_place, shape_of
 from .blocks import check_block_pools, first_array, is_block_pool
 from .pools import (
@@ -181,7 +181,7 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
                  scale=None, q_pe_out=None, cache_format=None, frameworks=("torch", "mlx")) -> Call:
     """Check a rope_latent_fused call (MLA) in full and describe it as a call with one latent KV head.
     With ``cache_format="fp8_ds_mla"``, ckv_cache is the whole [..., 656] uint8 cache and kpe_cache the
-    view of its k_pe part (``dsa.ds_mla_kpe``, which has checked the format)."""
+    view of its k_pe part (``checks.dsa.ds_mla_kpe``, which has checked the format)."""
     op = "rope_latent_fused"
     fw = check_types(op, _LATENT_ARRAYS, (q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache), frameworks)
     if fw == "torch":
@@ -209,12 +209,12 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
                             "qk_rope_head_dim.")
     rows = _check_positions(op, positions, slots, T, rotation)
     dt = _check_dtypes(fw, ("q_pe", "k_pe", "kv_c"), (q_pe, k_pe, kv_c), positions, slots)
-    ds_mla = cache_format == "fp8_ds_mla"
+    ds_mla = cache_format == fp8_ds_mla.NAME
     pool = check_pools(op, ("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache[..., :kv_lora_rank] if ds_mla else
                        ckv_cache, layer, kv_layout, 1, rope_dim, kv_lora_rank, fw, headed=False)
     fp8 = None if ds_mla else check_pool_dtypes(("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, dt, fw)
     (scale,) = check_pool_scales(("scale",), (scale,), fp8, kpe_cache, q_pe, None)
-    stores = Stores(PLAIN, Store("fp8_ds_mla", "float8_e4m3fn", QMAX["float8_e4m3fn"]), PLAIN, PLAIN) if ds_mla \
+    stores = Stores(PLAIN, Store(fp8_ds_mla.NAME, "float8_e4m3fn", QMAX["float8_e4m3fn"]), PLAIN, PLAIN) if ds_mla \
         else Stores(_store(fp8, scale), _store(fp8, scale), PLAIN, PLAIN)
     if fw == "torch":
         check_strides(q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, positions=positions, slots=slots, ckv_cache=ckv_cache,
@@ -235,7 +235,7 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
 
 def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quant_block_size=128, kv_layout=None,
                   layer=None, q_out=None, frameworks=("torch", "mlx")) -> Call:
-    """Check a rope_indexer_fused call (DeepSeek V3.2's indexer key, ropepool.checks.dsa) and describe it as a call
+    """Check a rope_indexer_fused call (DeepSeek V3.2's indexer key, formats/indexer.py) and describe it as a call
     with one KV head whose pool is the uint8 cache and which has no value (its v store is "none")."""
     op = "rope_indexer_fused"
     fw = check_types(op, _INDEXER_ARRAYS, (q, k, positions, slots, k_cache), frameworks)
@@ -251,7 +251,7 @@ def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quan
         raise RopePoolError(f"rope_indexer_fused expects q [T, num_heads, head_dim] and k [T, head_dim] (or [T, 1, "
                             f"head_dim]); got q {shape_of(q)}, k {shape_of(k)}. Fix: the indexer's q heads and its one "
                             "key per token, of the same head_dim.")
-    dsa.check_indexer(op, k, k_cache, quant_block_size, scale_fmt)
+    indexer.check(op, k, k_cache, quant_block_size, scale_fmt)
     rotation = _resolve_rope(rope, 10000.0, D, q)
     rows = _check_positions(op, positions, slots, T, rotation)
     dt = _check_dtypes(fw, ("q", "k"), (q, k), positions, slots)
@@ -260,14 +260,14 @@ def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quan
                        headed=False)
     if fw == "torch":
         check_strides(q=q, k=k, positions=positions, slots=slots, k_cache=k_cache)
-        dsa.check_indexer_pages(op, k_cache, pool.page_size)
+        indexer.check_pages(op, k_cache, pool.page_size)
         _check_out("q_out", q_out, q, None, None)
     elif q_out is not None:
         refuse(fw, "out", names="q_out")
-    key = Store("indexer_ue8m0" if scale_fmt == "ue8m0" else "indexer", "float8_e4m3fn", QMAX["float8_e4m3fn"])
+    key = Store(indexer.name(scale_fmt), "float8_e4m3fn", QMAX["float8_e4m3fn"])
     call = Call(framework=fw, dtype=dt, num_qo_heads=heads, num_kv_heads=1, head_dim=D, v_head_dim=D, pool=pool,
                 pool_dtype="uint8", rotation=rotation, position_rows=rows, norm=None,
-                stores=Stores(key, Store("none"), PLAIN, PLAIN), host_values=_host_values(fw, positions), latent=True,
+                stores=Stores(key, Store(NONE), PLAIN, PLAIN), host_values=_host_values(fw, positions), latent=True,
                 autograd=_autograd(fw, q, k), traced=tracing(fw))
     if call.host_values:
         check_host_values(call, positions, slots)

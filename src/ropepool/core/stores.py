@@ -14,7 +14,7 @@ what it names: what it means, the backend rows that write it, its check, its
 oracle rows, its array-op store), plus its pieces of the kernels' stores
 (backends/triton_stores.py) where the Triton row is among its ``BACKENDS``.
 The formats below are the older ones, still checked and written in place by
-checks/pools.py, checks/dsa.py and each backend.
+checks/pools.py and each backend.
 
 No argument order changes anywhere else: the MLX graph cache is keyed by
 ``plan.Plan.key``, which reads each store's ``key``, and the Triton kernel's
@@ -33,12 +33,6 @@ FORMATS = {
     "scaled": "row / scale, saturated to +-qmax (fp8 pools and outputs; scale a float, one element or one per head)",
     "per_token_head": "row * (1 / s) saturated (int8: truncated), s = max(amax(|row|) / qmax, 1e-6) stored in the "
                       "scale cache at the row's place (vLLM's int8/fp8_per_token_head)",
-    # DeepSeek V3.2's caches (ropepool.checks.dsa; docs/layouts.md): the pool is the caller's whole uint8 cache.
-    "fp8_ds_mla": "kv_c's 512 features as e4m3 in 4 tiles of 128, x / s with s = max(amax / 448, FLT_MIN), then the "
-                  "4 float32 scales, at the start of each 656-byte row (the row's k_pe: the plain k pool, a view)",
-    "indexer": "the key as e4m3 in groups of 128, x / s with s = max(amax, 1e-4) / 448; per page the rows' values, "
-               "then their float32 scales (vLLM's indexer_k_quant_and_cache)",
-    "indexer_ue8m0": "as indexer, each scale rounded up to a power of two (2 ** ceil(log2(s)))",
     "none": "nothing: the call has no such destination (the indexer's key has no value)",
 }
 
