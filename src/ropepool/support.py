@@ -22,8 +22,7 @@ BLOCK = frozenset(f"pool.{name}" for name in formats.BLOCK)  # block-quantized (
 DSA = frozenset(f"pool.{name}" for name in (*formats.BYTES, formats.NONE))  # DeepSeek V3.2's byte caches
 TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
 LAYOUT = frozenset({"layout.amx"})  # tiled pools (core/layout.py: TILED): vLLM's CPU AMX cache
-PER_TOKEN_HEAD = frozenset({"pool.per_token_head"})  # int8 / fp8 pools with per-token-head scale caches
-ALL = ROTATION | SCALED | PER_TOKEN_HEAD | FORMATS | TORCH | LAYOUT
+ALL = ROTATION | SCALED | FORMATS | TORCH | LAYOUT
 
 
 @dataclass(frozen=True)
@@ -42,12 +41,12 @@ def _formats(module: str) -> frozenset:
 SUPPORT = {
     # Block pools: not with an fp8 k_out (the kernel quantizes k_rot as returned, read back from k_out), nor traced
     # (the custom op takes no tuples).
-    ".triton_op": Support("torch", ROTATION | SCALED | PER_TOKEN_HEAD | TORCH | LAYOUT | _formats(".triton_op"),
+    ".triton_op": Support("torch", ROTATION | SCALED | TORCH | LAYOUT | _formats(".triton_op"),
                           tuple(frozenset({b, f}) for b in sorted(BLOCK) for f in ("k_out.scaled", "traced"))),
     # The compiled CPU kernel: per-token-head, block and DeepSeek V3.2's caches, autograd and tracing stay on the
     # general torch code.
     ".torch_native": Support("torch", ROTATION | SCALED | LAYOUT),
-    ".torch_eager": Support("torch", ROTATION | SCALED | PER_TOKEN_HEAD | TORCH | LAYOUT | _formats(".torch_eager")),
+    ".torch_eager": Support("torch", ROTATION | SCALED | TORCH | LAYOUT | _formats(".torch_eager")),
     ".mlx": Support("mlx", ROTATION | {"pool.scaled"} | _formats(".mlx")),
 }
 

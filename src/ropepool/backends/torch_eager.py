@@ -9,7 +9,7 @@ views.
 from __future__ import annotations
 
 from ..core.layout import page_and_row, paged_view, write_at
-from ..formats import BLOCK, BYTES, NONE
+from ..formats import BLOCK, BYTES, NONE, per_token_head
 from . import arraymath
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
@@ -56,8 +56,8 @@ class Prepared:
                 continue
             if store.format == NONE:
                 continue
-            if store.format == "per_token_head":  # each row's scale, where the pool keeps the row
-                rows, s = arraymath.quantize_per_token_head(rows.float(), store.qmax, store.integer, ops)
+            if store.format == per_token_head.NAME:  # each row's scale, where the pool keeps the row
+                rows, s = per_token_head.rows(rows.float(), store.qmax, store.integer, ops)
                 paged_view(store.scale_cache[..., None], call.pool).index_put_((page, row), s[..., None])
             elif store.format == "scaled":
                 rows = arraymath.quantize(rows.float(), scale, store.qmax, ops)

@@ -19,7 +19,7 @@ from ..core.dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_na
 from ..core.layout import TILED, PoolGeometry
 from ..core.stores import PLAIN, Store, Stores
 from ..errors import RopePoolError
-from ..formats import NONE, fp8_ds_mla, indexer
+from ..formats import NONE, fp8_ds_mla, indexer, per_token_head
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache, RopeSpec, Rotation
 from ..support import takes
@@ -76,7 +76,7 @@ def _store(element, scale=None, cache=None) -> Store:
     if element is None:
         return PLAIN
     if cache is not None:
-        return Store("per_token_head", element, QMAX[element], scale_ref=weakref.ref(cache))
+        return Store(per_token_head.NAME, element, QMAX[element], scale_ref=weakref.ref(cache))
     return Store("scaled", element, QMAX[element], scale)
 
 

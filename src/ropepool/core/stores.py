@@ -31,8 +31,6 @@ DESTINATIONS = ("k_pool", "v_pool", "q_out", "k_out")
 FORMATS = {
     "plain": "the rows in the destination's dtype (q's, or a new array of it)",
     "scaled": "row / scale, saturated to +-qmax (fp8 pools and outputs; scale a float, one element or one per head)",
-    "per_token_head": "row * (1 / s) saturated (int8: truncated), s = max(amax(|row|) / qmax, 1e-6) stored in the "
-                      "scale cache at the row's place (vLLM's int8/fp8_per_token_head)",
     "none": "nothing: the call has no such destination (the indexer's key has no value)",
 }
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..checks import validate
-from ..core.dtypes import QMAX
 from ..core.layout import page_and_row, paged_view
 from ..formats import BLOCK
+from ..formats.per_token_head import oracle_rows as quantize_per_token_head
 from . import quant
 
 
@@ -78,21 +78,6 @@ def quantize(x, scale, dtype):
     scale = np.asarray(scale, dtype=np.float64)
     scale = scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(())
     return np.clip(np.asarray(x, dtype=np.float64) / scale, -top, top).astype(dtype)
-
-
-def quantize_per_token_head(x, dtype):
-    """vLLM's per-token-head quantizer (int8/fp8_per_token_head), in float64: each row of ``x [..., D]``
-    gets ``s = max(amax(|row|) / QMAX, 1e-6)`` and stores ``row / s`` saturated to ``[-QMAX, QMAX]``,
-    int8 truncated toward zero (vLLM's Triton store converts so), fp8 rounded to nearest even.
-
-    Returns ``(stored rows in dtype, s as float32 [...])``. QMAX: 127 (int8), 448 (e4m3), 57344 (e5m2);
-    vLLM's -128 floor for int8 is never reached (|row / s| <= 127).
-    """
-    x = np.asarray(x, dtype=np.float64)
-    qmax = QMAX[np.dtype(dtype).name]
-    s = np.maximum(np.abs(x).max(-1, initial=0.0) / qmax, 1e-6)
-    y = np.clip(x / s[..., None], -qmax, qmax)
-    return (np.trunc(y) if np.dtype(dtype).kind == "i" else y).astype(dtype), s.astype(np.float32)
 
 
 def amx_offset(which, t, d, page_size, dim):
