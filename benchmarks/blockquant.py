@@ -93,8 +93,8 @@ def torch_pools(fmt, torch):
 
 
 def torch_unfused(fmt, torch):
-    from ropepool.backends import blockquant
     from ropepool.backends.torch_arrays import TorchOps
+    from ropepool.formats import affine, nvfp4
 
     inv_freq = torch.tensor(BASE ** (-np.arange(0, D, 2) / D), dtype=torch.float32)
     scale = torch.tensor(GLOBAL_SCALE)
@@ -107,8 +107,8 @@ def torch_unfused(fmt, torch):
     def quantize(x):
         x32 = x.float()
         if fmt == "nvfp4":
-            return blockquant.nvfp4(x32, scale, TorchOps)
-        return blockquant.affine_torch(x32, FORMATS[fmt], GROUP, x.dtype)
+            return nvfp4.nvfp4(x32, scale, TorchOps)
+        return affine.torch_quantize(x32, FORMATS[fmt], GROUP, x.dtype)
 
     def run(q, k, v, positions, slots, k_pool, v_pool):
         ang = positions.float()[:, None] * inv_freq[None]

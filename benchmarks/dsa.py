@@ -5,7 +5,7 @@ Features: ``ds_mla`` (``rope_latent_fused(..., cache_format="fp8_ds_mla")``: q_p
 q and k rotated on their first 64 features, the key quantized and written). The unfused peer,
 ``eager``, is what vLLM runs where its kernels are missing: the rotation as
 ``RotaryEmbedding.forward_native`` computes it (cos/sin from the model-dtype table, products in
-bfloat16), then the writer's quantization as vectorized torch (``ropepool.backends.dsa_store``, equal
+bfloat16), then the writer's quantization as vectorized torch (``ropepool.formats.fp8_ds_mla`` / ``indexer``, equal
 byte for byte to the ports of vLLM's kernels in tests/vllm_dsa.py) and one scatter of the rows.
 
 Each provider is first checked: kv_c's bytes and scales of every written row equal the float64
@@ -22,13 +22,14 @@ import json
 import subprocess
 import time
 
+import ml_dtypes
 import numpy as np
 import torch
 
 import ropepool
-from ropepool.backends import dsa_store
 from ropepool.backends.torch_arrays import TorchOps
 from ropepool.cli.bench import environment
+from ropepool.formats import fp8_ds_mla, indexer
 from ropepool.reference import dsa as reference_dsa
 
 BF16 = torch.bfloat16
@@ -65,16 +66,16 @@ def rotate_native(x, cos_sin, positions, gptj):
 def eager_ds_mla(s, cache, cos_sin):
     q = rotate_native(s["q"], cos_sin, s["pos"], True)
     k = rotate_native(s["k"][:, None], cos_sin, s["pos"], True)[:, 0]
-    cache.view(-1, cache.shape[-1]).index_copy_(0, s["slots"], dsa_store.ds_mla_rows(s["kv_c"], k, TorchOps))
+    cache.view(-1, cache.shape[-1]).index_copy_(0, s["slots"], fp8_ds_mla.rows(s["kv_c"], k, TorchOps))
     return q
 
 
 def eager_indexer(s, cache, cos_sin):
     q = rotate_native(s["q"], cos_sin, s["pos"], False)
     k = rotate_native(s["k"][:, None], cos_sin, s["pos"], False)[:, 0]
-    values, scales = dsa_store.indexer_rows(k, True, TorchOps)
+    values, scales = indexer.rows(k, True, TorchOps)
     page, row = s["slots"] // BLOCK, s["slots"] % BLOCK
-    at_v, at_s = dsa_store.indexer_at(row, k.shape[1], BLOCK, TorchOps)
+    at_v, at_s = indexer.offsets(row, k.shape[1], BLOCK, TorchOps)
     flat = cache.view(cache.shape[0], -1)
     flat.index_put_((page[:, None], at_v), values)
     flat.index_put_((page[:, None], at_s), scales)
@@ -107,7 +108,7 @@ def make_set(feature, T, H, pool, gen):
 
 
 def as_np(x):
-    return x.view(torch.int16).numpy().view(reference_dsa.ml_dtypes.bfloat16) if x.dtype == BF16 else x.numpy()
+    return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if x.dtype == BF16 else x.numpy()
 
 
 def check(feature, fn, s, cache, cos_sin):
@@ -133,7 +134,7 @@ def check(feature, fn, s, cache, cos_sin):
 
         def keys(c):  # the written rows' keys, dequantized: e4m3 values times their float32 scale
             c = c.reshape(-1, BLOCK * 132)
-            v = c[page[:, None], at_v].view(reference_dsa.ml_dtypes.float8_e4m3fn).astype(np.float64)
+            v = c[page[:, None], at_v].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
             return v * np.ascontiguousarray(c[page[:, None], at_s]).view("<f4").astype(np.float64)
 
         # vLLM's bf16 rotation vs the oracle's: a key may round to the next e4m3 step (7% of the group's amax)

@@ -73,10 +73,11 @@ CASES = {
     "triton-nvfp4-fp8-k-out": (nvfp4_cache(), nvfp4_cache(), {**G, "backend": "triton", "k_scale": 1.0,
                                "k_out": torch.empty(T, H, D, dtype=torch.float8_e4m3fn), "k_out_scale": 1.0},
                                ValueError, "backend 'triton' cannot run this call: it does not take "
-                               "['pool.block.torch']"),
+                               "['k_out.scaled', 'pool.nvfp4'] together"),
     "triton-affine-fp8-k-out": (affine_cache(), affine_cache(), {"backend": "triton", "k_out": torch.empty(
                                 T, H, D, dtype=torch.float8_e4m3fn), "k_out_scale": 1.0}, ValueError,
-                                "backend 'triton' cannot run this call: it does not take ['pool.block.torch']"),
+                                "backend 'triton' cannot run this call: it does not take "
+                                "['k_out.scaled', 'pool.affine'] together"),
 }
 
 

@@ -181,7 +181,7 @@ def test_compile_dsa_caches(fmt, rng):
     """The latent cache (vLLM's combined bf16 row as two views) and DeepSeek V3.2's caches (fp8_ds_mla rows, the
     indexer's keys with either scale format) under torch.compile(fullgraph=True): compiled == eager on every
     output and the whole cache, bit for bit (the same random bytes to start with, so rows never written are
-    checked too), and rows were written. (torch 2.11's dynamo failed on all but the first: plan/stores.py.)"""
+    checked too), and rows were written. (torch 2.11's dynamo failed on all but the first: core/stores.py.)"""
     from tests.test_dsa_bytes import scaled_rows
     from tests.test_dsa_ops import INDEXER_ROPE, MLA_ROPE
 

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ropepool.checks import dsa
+from ropepool.formats import fp8_ds_mla, indexer
 from ropepool.reference import dsa as reference_dsa
 from tests.harness import NP_DTYPES, Backend, make_slots, randn
 
@@ -51,22 +51,23 @@ def layouts(width):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", range(4))
 def test_ds_mla_rows_are_vllms(rng, dtype, case):
-    kv_layout, layer, shape, as_vllm = layouts(dsa.DS_MLA_ROW)[case % 3] if case < 3 else \
+    kv_layout, layer, shape, as_vllm = layouts(fp8_ds_mla.DS_MLA_ROW)[case % 3] if case < 3 else \
         ("NHD", None, (6, 4, 700), None)
     pool_size = int(np.prod(shape[-3:-1])) if kv_layout else shape[0]
     T = 11
-    kv_c = scaled_rows(rng, T, dsa.DS_MLA_RANK, dtype)
-    k_pe = randn(rng, T, dsa.DS_MLA_PE, dtype=dtype)
+    kv_c = scaled_rows(rng, T, fp8_ds_mla.DS_MLA_RANK, dtype)
+    k_pe = randn(rng, T, fp8_ds_mla.DS_MLA_PE, dtype=dtype)
     slots = make_slots(rng, T, pool_size)
     cache = poison(rng, shape)
     if case == 3:  # [blocks, block_size, 656] seen through a wider row: entry stride 700
-        ours = reference_dsa.write_ds_mla(cache[..., :dsa.DS_MLA_ROW], slots, reference_dsa.ds_mla_rows(kv_c, k_pe),
-                                          kv_layout, layer)
+        ours = reference_dsa.write_ds_mla(cache[..., :fp8_ds_mla.DS_MLA_ROW], slots,
+                                          reference_dsa.ds_mla_rows(kv_c, k_pe), kv_layout, layer)
         theirs = CPU.array(cache)
-        vllm_dsa.concat_and_cache_ds_mla(CPU.array(kv_c), CPU.array(k_pe), theirs[..., :dsa.DS_MLA_ROW],
+        vllm_dsa.concat_and_cache_ds_mla(CPU.array(kv_c), CPU.array(k_pe), theirs[..., :fp8_ds_mla.DS_MLA_ROW],
                                          CPU.array(slots))
-        np.testing.assert_array_equal(ours, CPU.numpy(theirs)[..., :dsa.DS_MLA_ROW])
-        np.testing.assert_array_equal(cache[..., dsa.DS_MLA_ROW:], CPU.numpy(theirs)[..., dsa.DS_MLA_ROW:])
+        np.testing.assert_array_equal(ours, CPU.numpy(theirs)[..., :fp8_ds_mla.DS_MLA_ROW])
+        row = fp8_ds_mla.DS_MLA_ROW
+        np.testing.assert_array_equal(cache[..., row:], CPU.numpy(theirs)[..., row:])
         return
     ours = reference_dsa.write_ds_mla(cache, slots, reference_dsa.ds_mla_rows(kv_c, k_pe), kv_layout, layer)
     theirs = CPU.array(cache)
@@ -77,8 +78,8 @@ def test_ds_mla_rows_are_vllms(rng, dtype, case):
 
 def test_ds_mla_row_bytes(rng):
     """One row read back by hand: values, scales and k_pe where docs/layouts.md draws them."""
-    kv_c = scaled_rows(rng, 5, dsa.DS_MLA_RANK, "bfloat16")
-    k_pe = randn(rng, 5, dsa.DS_MLA_PE, dtype="bfloat16")
+    kv_c = scaled_rows(rng, 5, fp8_ds_mla.DS_MLA_RANK, "bfloat16")
+    k_pe = randn(rng, 5, fp8_ds_mla.DS_MLA_PE, dtype="bfloat16")
     rows = reference_dsa.ds_mla_rows(kv_c, k_pe)
     assert rows.shape == (5, 656) and rows.dtype == np.uint8
     scales = rows[:, 512:528].copy().view("<f4")
@@ -96,7 +97,7 @@ def test_ds_mla_row_bytes(rng):
 @pytest.mark.parametrize("case", range(3))
 def test_indexer_rows_are_vllms(rng, scale_fmt, dtype, case):
     D = 128
-    kv_layout, layer, shape, as_vllm = layouts(dsa.indexer_row_bytes(D))[case]
+    kv_layout, layer, shape, as_vllm = layouts(indexer.indexer_row_bytes(D))[case]
     pool_size = int(np.prod(shape[-3:-1])) if kv_layout else shape[0]
     T = 13
     k = scaled_rows(rng, T, D, dtype)
@@ -223,8 +224,8 @@ def test_indexer_misuse(rng, kw, width, message):
 @pytest.mark.parametrize("framework", ["torch", "mlx"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_store_math_is_the_oracles(rng, framework, dtype):
-    """backends/dsa_store on torch tensors and MLX arrays: the oracle's bytes, both formats, both scale formats."""
-    from ropepool.backends import dsa_store
+    """The formats' array math (formats/fp8_ds_mla.py, indexer.py) on torch tensors and MLX arrays: the oracle's
+    bytes, both formats, both scale formats."""
 
     if framework == "mlx":
         pytest.importorskip("mlx.core")
@@ -233,12 +234,12 @@ def test_store_math_is_the_oracles(rng, framework, dtype):
         from ropepool.backends.torch_arrays import TorchOps as ops
     fw = Backend("mlx") if framework == "mlx" else CPU
     kv_c, k_pe = scaled_rows(rng, 9, 512, dtype), randn(rng, 9, 64, dtype=dtype)
-    rows = dsa_store.ds_mla_rows(fw.array(kv_c), fw.array(k_pe), ops)
+    rows = fp8_ds_mla.rows(fw.array(kv_c), fw.array(k_pe), ops)
     np.testing.assert_array_equal(np.array(rows) if framework == "mlx" else rows.numpy(),
                                   reference_dsa.ds_mla_rows(kv_c, k_pe))
     k = scaled_rows(rng, 9, 256, dtype)
     for ue8m0 in (False, True):
-        values, scales = dsa_store.indexer_rows(fw.array(k), ue8m0, ops)
+        values, scales = indexer.rows(fw.array(k), ue8m0, ops)
         want_values, want_scales = reference_dsa.indexer_quantize(k, ue8m0)
         np.testing.assert_array_equal(np.array(values) if framework == "mlx" else values.numpy(), want_values)
         got = np.array(scales) if framework == "mlx" else scales.numpy()

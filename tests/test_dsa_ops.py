@@ -9,6 +9,7 @@ raises before anything is written.
 """
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -107,7 +108,7 @@ def _ds_mla_call(rng, **change):
 
 @pytest.mark.parametrize("change, message", [
     ({"cache": np.zeros((8, 576), np.uint8)}, "fp8_ds_mla rows must be uint8 [..., 656]"),
-    ({"kv_c": np.zeros((3, 256), np.float32).astype(reference_dsa.ml_dtypes.bfloat16)},
+    ({"kv_c": np.zeros((3, 256), np.float32).astype(ml_dtypes.bfloat16)},
      "fp8_ds_mla needs kv_lora_rank 512 and rope_dim 64"),
     ({"kpe_cache": np.zeros((8, 64), np.uint8)}, "rope_latent_fused with cache_format='fp8_ds_mla' writes k_pe"),
     ({"kw": {"cache_format": "fp8_ds_mla", "scale": 0.5}}, "rope_latent_fused with cache_format='fp8_ds_mla' "

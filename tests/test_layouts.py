@@ -4,7 +4,7 @@ combined K/V tensors seen through views (torch), and float8 caches with scales.
 What is checked, per call (tests.harness.run_checked):
 
 - q_rot and k_rot against the float64 oracle (harness.TOL).
-- The slot formula, written in the harness independently of ropepool.checks.layout:
+- The slot formula, written in the harness independently of ropepool.core.layout:
   slot ``s`` is row ``s % page_size`` of page ``s // page_size``; NHD pages
   are ``[page_size, heads, dim]``, HND pages ``[heads, page_size, dim]``.
 - Every element of the memory the pools live in (the two pool arrays, or

@@ -113,14 +113,13 @@ def test_graph_does_not_grow_with_tokens(tokens, rng):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_calls_run_the_compiled_graph(dtype, rng):
-    """Calls of up to COMPILE_MAX_TOKENS tokens run the mx.compile'd graph, traced once and then reused
+    """Calls of up to Tuning.compile_tokens tokens run the mx.compile'd graph, traced once and then reused
     (its Python does not run again), with the oracle's numbers; a larger call runs the graph eagerly."""
-    from ropepool.backends import mlx as backend
     from ropepool.backends import paths
     from tests.harness import make_cache, poison, run_checked
 
     Hq, Hkv, D, P = 4, 2, 64, 128
-    for T, compiled in ((backend.COMPILE_MAX_TOKENS, 3), (backend.COMPILE_MAX_TOKENS + 1, 0)):
+    for T, compiled in ((plan.DEFAULT_TUNING.compile_tokens, 3), (plan.DEFAULT_TUNING.compile_tokens + 1, 0)):
         with paths.counting() as seen:
             for _ in range(3):
                 slots = make_slots(rng, T, P)
@@ -172,7 +171,7 @@ def test_backend_choice(rng):
 
 @pytest.mark.parametrize("rope", ["plain", "mrope"])
 def test_large_calls_run_in_chunks_on_the_cpu(rope, monkeypatch, rng):
-    """Above CHUNK_TOKENS tokens a CPU call runs in chunks of about CHUNK_FEATURES q features (the last
+    """Above CHUNK_TOKENS tokens a CPU call runs in chunks of about Tuning.chunk_features q features (the last
     one shorter), each writing the pools the last returned: the same numbers as one pass."""
     from ropepool.backends import mlx as backend
     from tests.harness import make_cache, poison, run_checked
@@ -180,7 +179,8 @@ def test_large_calls_run_in_chunks_on_the_cpu(rope, monkeypatch, rng):
     if mx.default_device() != mx.cpu:
         pytest.skip("chunks are for MLX's CPU backend")
     T, Hq, Hkv, D, P = 300, 4, 2, 64, 512
-    monkeypatch.setattr(backend, "CHUNK_FEATURES", 64 * Hq * D)  # 64 tokens a chunk: five, the last of 44
+    # 64 tokens a chunk: five, the last of 44
+    monkeypatch.setattr(plan, "DEFAULT_TUNING", plan.Tuning(chunk_features=64 * Hq * D))
     sizes, init = [], backend.Prepared.__init__
 
     def counting_init(self, *a, **kw):  # counts the tokens of each eager pass

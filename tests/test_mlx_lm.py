@@ -161,11 +161,12 @@ def test_batched_decode_rotates_every_sequence(compiled, monkeypatch):
     by its own position, and equals the same token's call alone.
 
     The regression of mx.fast.rope with seq_len 1 and batch > 1 (only row 0 rotated, fixed in MLX 0.32)."""
-    from ropepool.backends import mlx as mlx_backend
+    from ropepool import plan
     from ropepool.backends import paths
 
+    plan.forget()  # the runners of this layout are made with the tuning of this test
     if not compiled:
-        monkeypatch.setattr(mlx_backend, "COMPILE_MAX_TOKENS", 0)
+        monkeypatch.setattr(plan, "DEFAULT_TUNING", plan.Tuning(compile_tokens=0))
     B, Hq, Hkv, D, P = 6, 8, 2, 64, 64
     gen = np.random.default_rng(5)
     q, k, v = (mx.array(gen.standard_normal((B, h, D)).astype(np.float32)) for h in (Hq, Hkv, Hkv))
@@ -175,6 +176,7 @@ def test_batched_decode_rotates_every_sequence(compiled, monkeypatch):
     kw = {"head_dim": D, "num_qo_heads": Hq, "num_kv_heads": Hkv, "rope_base": 10000.0}
     with paths.counting() as seen:
         q_rot, k_rot, kp, vp = ropepool.rope_pool_fused(q, k, v, positions, slots, *pools, **kw)
+    plan.forget()  # no runner of this tuning stays in the layout cache
     assert seen["mlx.compiled"] == compiled, f"{seen['mlx.compiled']} compiled calls"
     ref = ropepool.reference.rope_pool_fused(*(np.array(a) for a in (q, k, v, positions, slots, *pools)), **kw)
     for name, got, want in (("q_rot", q_rot, ref[0]), ("k_rot", k_rot, ref[1]), ("k_pool", kp, ref[2])):

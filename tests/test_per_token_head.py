@@ -26,8 +26,8 @@ import pytest
 
 import ropepool
 from ropepool import RopeSpec, reference
-from ropepool.checks.dtypes import QMAX
-from ropepool.checks.layout import page_and_row, paged_view, pool_geometry
+from ropepool.core.dtypes import QMAX
+from ropepool.core.layout import page_and_row, paged_view, pool_geometry
 from tests.harness import NP_DTYPES, ROUNDING, TOL, assert_close, assert_same_bits, make_positions, make_slots, randn
 
 torch = pytest.importorskip("torch")

@@ -1,4 +1,4 @@
-"""The plan record between the checked call and the backends (plan.py, stores.py, backends/__init__.py).
+"""The plan record between the checked call and the backends (plan/, core/stores.py, support.py).
 
 - every keyword of the public signatures reaches the layout cache's key (a keyword left out of it would return
   the runner of another call: silently wrong results);

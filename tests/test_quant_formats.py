@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ropepool.formats.affine import AFFINE_BITS, AFFINE_GROUP_SIZES
 from ropepool.reference import quant as rq
 from tests import quant_ports as port
 from tests.harness import HAS, assert_same_bits, make_slots
@@ -120,9 +121,9 @@ def test_nvfp4_scale_cases_reached():
 
 @pytest.mark.parametrize("framework", ["torch", "mlx"])
 def test_nvfp4_array_math_as_model(framework):
-    """ropepool's NVFP4 store math (backends/blockquant.py) on torch and MLX == the model, every byte."""
+    """ropepool's NVFP4 store math (formats/nvfp4.py) on torch and MLX == the model, every byte."""
     pytest.importorskip(framework if framework == "torch" else "mlx.core")
-    from ropepool.backends import blockquant
+    from ropepool.formats import nvfp4
 
     rows = nvfp4_rows(np.random.default_rng(3), 33, 128, ml_dtypes.bfloat16).astype(np.float32)
     want_data, want_sf = rq.nvfp4_rows(rows, 0.37)
@@ -131,29 +132,29 @@ def test_nvfp4_array_math_as_model(framework):
 
         from ropepool.backends.torch_arrays import TorchOps
 
-        data, sf = blockquant.nvfp4(torch.from_numpy(rows), torch.tensor(0.37), TorchOps)
+        data, sf = nvfp4.nvfp4(torch.from_numpy(rows), torch.tensor(0.37), TorchOps)
         data, sf = data.numpy(), sf.numpy()
     else:
         import mlx.core as mx
 
         from ropepool.backends.mlx_arrays import MlxOps
 
-        data, sf = blockquant.nvfp4(mx.array(rows), mx.array(0.37), MlxOps)
+        data, sf = nvfp4.nvfp4(mx.array(rows), mx.array(0.37), MlxOps)
         data, sf = np.array(data), np.array(sf)
     assert_same_bits("data", data, want_data)
     assert_same_bits("block scales", sf, want_sf.view(np.uint8))
 
 
-@pytest.mark.parametrize("group_size", rq.AFFINE_GROUP_SIZES)
-@pytest.mark.parametrize("bits", rq.AFFINE_BITS)
+@pytest.mark.parametrize("group_size", AFFINE_GROUP_SIZES)
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_affine_torch_math_as_model(dtype, bits, group_size):
     """ropepool's torch affine math == the model of mx.quantize (checked against mx.quantize above)."""
     torch = pytest.importorskip("torch")
-    from ropepool.backends import blockquant
+    from ropepool.formats import affine
 
     rows = affine_rows_input(np.random.default_rng(bits + group_size), 9, 128, dtype)
-    words, scales, biases = blockquant.affine_torch(torch.from_numpy(rows.astype(np.float32)), bits, group_size,
+    words, scales, biases = affine.torch_quantize(torch.from_numpy(rows.astype(np.float32)), bits, group_size,
                                                     getattr(torch, dtype))
     want = rq.affine_rows(rows, bits, group_size)
     assert_same_bits("words", words.numpy().view(np.uint32), want[0])
@@ -176,8 +177,8 @@ def affine_rows_input(rng, T, D, dtype):
     return x.astype(AFFINE_DTYPES[dtype])
 
 
-@pytest.mark.parametrize("group_size", rq.AFFINE_GROUP_SIZES)
-@pytest.mark.parametrize("bits", rq.AFFINE_BITS)
+@pytest.mark.parametrize("group_size", AFFINE_GROUP_SIZES)
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("dtype", list(AFFINE_DTYPES))
 def test_affine_rows_as_mx_quantize(dtype, bits, group_size):
     pytest.importorskip("mlx.core")
@@ -188,7 +189,7 @@ def test_affine_rows_as_mx_quantize(dtype, bits, group_size):
         assert_same_bits(name, got, want)
 
 
-@pytest.mark.parametrize("bits", rq.AFFINE_BITS)
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("pool", list(POOLS))
 def test_affine_writes_as_mlx(pool, bits):
     pytest.importorskip("mlx.core")

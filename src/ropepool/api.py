@@ -10,6 +10,15 @@ from .checks.blocks import first_array, parts_layout
 Array = Any  # a torch.Tensor or an mx.array
 
 
+def _runner(scalars: tuple, seen: tuple, arrays: tuple, q, backend, call):
+    """Every entry point's first call of a layout (``plan.lookup`` found no runner): plan the checked ``call``,
+    pick its backend, bind it to ``arrays`` and remember it for calls whose ``seen`` arrays are laid out alike.
+    (The check is the caller's, done before: deferring it in a closure would cost a warm call ~1 us.)"""
+    run = plan.make(call, q, backend).bind(*arrays)
+    plan.remember(scalars, seen, call, run)
+    return run
+
+
 def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array, k_pool: Array, v_pool: Array, *,
                     head_dim: int, num_qo_heads: int, num_kv_heads: int, rope_base: float = 10000.0,
                     rope=None, layer: int | None = None, k_scale=None, v_scale=None, kv_layout: str | None = None,
@@ -113,13 +122,11 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
         scalars += (parts_layout(k_pool, v_pool),)
     run = plan.lookup(scalars, seen)
     if run is None:
-        call = validate.check(q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
-                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope,
-                              layer=layer, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout, q_out=q_out,
-                              k_out=k_out, qk_norm=qk_norm, q_scale=q_scale, k_out_scale=k_out_scale,
-                              k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
-        run = plan.make(call, q, backend).bind(*arrays)
-        plan.remember(scalars, seen, call, run)
+        run = _runner(scalars, seen, arrays, q, backend, validate.check(
+            q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, rope_base=rope_base, rope=rope, layer=layer, k_scale=k_scale, v_scale=v_scale,
+            kv_layout=kv_layout, q_out=q_out, k_out=k_out, qk_norm=qk_norm, q_scale=q_scale, k_out_scale=k_out_scale,
+            k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache))
     return run(*arrays)
 
 
@@ -164,16 +171,14 @@ def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, s
     """
     arrays = given = (q_pe, k_pe, kv_c, positions, slots, kpe_cache, ckv_cache, q_pe_out, None)
     scalars = plan.latent_key(rope, kv_layout, layer, scale, q_pe_out, backend, cache_format, q_pe)
-    run = plan.lookup(scalars, given)
     if cache_format is not None:  # one [..., 656] cache: the call's kpe cache is a view of its k_pe part
         kpe_cache = dsa.ds_mla_kpe("rope_latent_fused", cache_format, ckv_cache, kpe_cache, kv_c, k_pe, scale)
         arrays = given[:5] + (kpe_cache,) + given[6:]
+    run = plan.lookup(scalars, given)
     if run is None:
-        call = validate.check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope,
-                                     kv_layout=kv_layout, layer=layer, scale=scale, q_pe_out=q_pe_out,
-                                     cache_format=cache_format)
-        run = plan.make(call, q_pe, backend).bind(*arrays)
-        plan.remember(scalars, given, call, run)
+        run = _runner(scalars, given, arrays, q_pe, backend, validate.check_latent(
+            q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope, kv_layout=kv_layout, layer=layer,
+            scale=scale, q_pe_out=q_pe_out, cache_format=cache_format))
     q_rot, k_rot, kpe, ckv = run(*arrays)
     return q_rot, k_rot, ckv, given[5] if cache_format is not None else kpe
 
@@ -207,12 +212,11 @@ def rope_indexer_fused(q: Array, k: Array, positions: Array, slots: Array, k_cac
     """
     given = (q, k, None, positions, slots, k_cache, None, q_out, None)  # no value, no v pool
     scalars = plan.indexer_key(rope, scale_fmt, quant_block_size, kv_layout, layer, q_out, backend, q)
-    run = plan.lookup(scalars, given)
     arrays = (q, k, k, positions, slots, k_cache, k_cache, q_out, None)  # the runner's: v's store is "none"
+    run = plan.lookup(scalars, given)
     if run is None:
-        call = validate.check_indexer(q, k, positions, slots, k_cache, rope=rope, scale_fmt=scale_fmt,
-                                      quant_block_size=quant_block_size, kv_layout=kv_layout, layer=layer, q_out=q_out)
-        run = plan.make(call, q, backend).bind(*arrays)
-        plan.remember(scalars, given, call, run)
+        run = _runner(scalars, given, arrays, q, backend, validate.check_indexer(
+            q, k, positions, slots, k_cache, rope=rope, scale_fmt=scale_fmt, quant_block_size=quant_block_size,
+            kv_layout=kv_layout, layer=layer, q_out=q_out))
     q_rot, k_rot, cache, _ = run(*arrays)
     return q_rot, k_rot, cache

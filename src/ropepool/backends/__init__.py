@@ -4,15 +4,15 @@ A row names the backend (``backend=`` picks rows by it; the CPU lane and the
 general torch code are both ``"torch"``), its framework, the module that
 prepares a plan (``prepare(plan, tuning, fallback)`` -> an object whose
 ``bind(*arrays)`` gives the runner), the features it supports
-(``plan.Plan.features``), the device types it is picked for automatically,
-and why it cannot run here (``why_not(q)``: not installed, no device). A
-plan goes to the first row, in ``BACKENDS``' order, whose framework and
-device fit and with ``plan.features <= row.supports``; a row's ``fallback``
-(another row's module) takes what its runner declines at run time.
-``ropepool env`` prints the reasons.
+(``plan.Plan.features``, declared in support.py), the device types it
+is picked for automatically, and why it cannot run here (``why_not(q)``: not
+installed, no device). A plan goes to the first row, in ``BACKENDS``' order,
+whose framework and device fit and that ``fits`` the plan's features; a
+row's ``fallback`` (another row's module) takes what its runner declines at
+run time. ``ropepool env`` prints the reasons.
 
-Features no row of a framework takes are refused while the call is checked,
-with the row's own message (``refuse``), before anything is written.
+Features no row of a framework takes are refused while the call is checked
+(checks/refusals.py), before anything is written.
 """
 from __future__ import annotations
 
@@ -22,42 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..checks.dtypes import FRAMEWORK_TYPES
 from ..errors import RopePoolError
-
-# Every feature a plan may use (plan.build): the rotation's, the stores' (stores.feature) and the torch call's.
-ROTATION = frozenset({"norm", "mrope", "table", "longrope", "latent"})
-STORES = frozenset({"pool.scaled", "pool.per_token_head", "q_out.scaled", "k_out.scaled"})
-# Block-quantized (tuple) pools: the torch code, MLX and the Triton kernel, unless the call also has an fp8 k_out
-# (the kernel quantizes k_rot as returned, read back from k_out) or is traced (the custom op has no tuples).
-BLOCK = frozenset({"pool.nvfp4", "pool.affine", "pool.block.torch"})
-DSA = frozenset({"pool.fp8_ds_mla", "pool.indexer", "pool.indexer_ue8m0", "pool.none"})  # DeepSeek V3.2's caches
-TORCH = frozenset({"autograd", "traced"})  # q/k/v require grad; traced by torch.compile
-LAYOUT = frozenset({"layout.amx"})  # tiled pools (checks/layout.py: TILED): vLLM's CPU AMX cache
-ALL = ROTATION | STORES | BLOCK | DSA | TORCH | LAYOUT
-
-
-def _functional(framework: str, feature: str, names: str = "", name: str = "") -> None:
-    """The refusals of a functional framework (MLX; NumPy's oracle alike): what is written in place."""
-    given = FRAMEWORK_TYPES[framework]
-    if feature == "pool.per_token_head":
-        raise TypeError(f"k_scale_cache/v_scale_cache are for torch tensors; got them with {given} inputs. Fix: drop "
-                        "them (MLX calls are functional and return only the pools; per-token-head caches are a torch "
-                        "feature, docs/mlx.md).")
-    if feature == "out":
-        raise TypeError(f"q_out/k_out are for torch tensors; got them with {given} inputs. Fix: drop {names} (MLX and "
-                        "NumPy calls are functional).")
-    if feature in LAYOUT:
-        raise TypeError(f"kv_layout='amx' (vLLM's CPU AMX-packed cache) is for torch tensors; got {given} inputs. "
-                        "Fix: pass torch tensors, or kv_layout='HND' for MLX pools (MLX has no strided views, "
-                        "which the tiles are written through; docs/layouts.md).")
-    if feature in DSA:
-        raise TypeError(f"DeepSeek V3.2's caches (fp8_ds_mla rows, the indexer's keys) are for torch tensors; got "
-                        f"{given} inputs. Fix: pass torch tensors (the formats are uint8 byte rows that the torch "
-                        "backends write through views; MLX has no views, docs/layouts.md).")
-    if feature in ("q_out.scaled", "k_out.scaled"):
-        raise RopePoolError(f"{name} is for a float8 {name[0]}_out tensor; got {name} without one. Fix: drop {name} "
-                            f"(fp8 outputs are torch tensors passed as {name[0]}_out).")
+from ..support import SUPPORT
 
 
 @dataclass(frozen=True)
@@ -66,10 +32,14 @@ class Backend:
     framework: str
     module: str
     supports: frozenset
+    apart: tuple = ()  # sets of features it does not take together
     devices: tuple | None = None  # device types it is picked for automatically (None: any)
     why_not: Callable[[object], str | None] = lambda q: None  # given q (None: in this process); None: can run
     fallback: str | None = None  # module of the row that runs what this row's runner declines
-    refuse: Callable | None = None  # (framework, feature, **names) raising a feature's message
+
+    def fits(self, features: frozenset) -> bool:
+        """Whether the row takes a plan of ``features``: all of them, and no set it does not take together."""
+        return features <= self.supports and not any(a <= features for a in self.apart)
 
     def load(self):
         """The backend's module, imported on first use."""
@@ -125,34 +95,22 @@ def _mlx_why_not(q) -> str | None:
     return None if _INSTALLED["mlx"] else "mlx is not installed (pip install 'ropepool[mlx]')"
 
 
-# In order of preference within a framework.
+def _row(name: str, module: str, **how) -> Backend:
+    """A row whose framework and features are those ``support.SUPPORT`` declares for its module."""
+    sup = SUPPORT[module]
+    return Backend(name, sup.framework, module, sup.features, sup.apart, **how)
+
+
+# In order of preference within a framework; what each takes: support.py.
 BACKENDS = (
-    Backend("triton", "torch", ".triton_op", ALL - {"pool.block.torch"}, ("cuda",), _triton_why_not),
-    # torch on CPU tensors: one call of the compiled kernel (backends/torch_native.py, ropepool/native);
-    # per-token-head caches, block-quantized and DeepSeek V3.2's caches, autograd and tracing stay on the
-    # general torch code (its fallback too, for layouts it declines at bind time).
-    Backend("torch", "torch", ".torch_native", ALL - {"pool.per_token_head"} - BLOCK - DSA - TORCH,
-            ("cpu",), _native_why_not, fallback=".torch_eager"),
-    Backend("torch", "torch", ".torch_eager", ALL),
-    Backend("mlx", "mlx", ".mlx", ALL - {"pool.per_token_head", "q_out.scaled", "k_out.scaled"} - TORCH - DSA - LAYOUT,
-            why_not=_mlx_why_not, refuse=_functional),
+    _row("triton", ".triton_op", devices=("cuda",), why_not=_triton_why_not),
+    # torch on CPU tensors: one call of the compiled kernel (backends/torch_native.py, ropepool/native); the
+    # general torch code runs what it does not take (its fallback too, for layouts it declines at bind time).
+    _row("torch", ".torch_native", devices=("cpu",), why_not=_native_why_not, fallback=".torch_eager"),
+    _row("torch", ".torch_eager"),
+    _row("mlx", ".mlx", why_not=_mlx_why_not),
 )
 NAMES = sorted({b.name for b in BACKENDS})
-
-
-def takes(framework: str, feature: str) -> bool:
-    """Whether a row of ``framework`` takes ``feature`` (a framework without rows, NumPy's oracle: yes)."""
-    rows = [b for b in BACKENDS if b.framework == framework]
-    return not rows or any(feature in b.supports for b in rows)
-
-
-def refuse(framework: str, feature: str, **names) -> None:
-    """Raise the rows' message when no row of ``framework`` takes ``feature`` (``names``: the arguments'
-    names for the message). NumPy's oracle is functional: outputs written in place are refused as MLX's are."""
-    if not takes(framework, feature) or framework == "numpy" and feature in ("out", "q_out.scaled", "k_out.scaled"):
-        for b in BACKENDS:
-            if b.refuse is not None and (b.framework == framework or framework == "numpy"):
-                b.refuse(framework, feature, **names)
 
 
 def pick(framework: str, q, name: str | None = None, features: frozenset = frozenset()) -> Backend:
@@ -166,7 +124,7 @@ def pick(framework: str, q, name: str | None = None, features: frozenset = froze
                             "Fix: leave backend=None, or convert the arrays.")
     reasons = []
     for b in rows:
-        if b.framework != framework or not features <= b.supports:
+        if b.framework != framework or not b.fits(features):
             continue
         # Automatically, only on the devices the row is for (the Triton interpreter is a correctness tool).
         if name is None and b.devices is not None and getattr(q, "device", None) is not None and \
@@ -177,6 +135,13 @@ def pick(framework: str, q, name: str | None = None, features: frozenset = froze
             return b
         reasons.append(reason)
     if name is not None:
-        reason = reasons[0] if reasons else f"it does not take {sorted(features - rows[-1].supports)}"
+        reason = reasons[0] if reasons else _not_taken(rows[-1], features)
         raise RopePoolError(f"backend {name!r} cannot run this call: {reason}. Fix: leave backend=None.")
     raise RopePoolError(f"no backend can run {framework} arrays here. Fix: see `ropepool env`.")
+
+
+def _not_taken(b: Backend, features: frozenset) -> str:
+    missing = features - b.supports
+    if missing:
+        return f"it does not take {sorted(missing)}"
+    return f"it does not take {sorted(next(a for a in b.apart if a <= features))} together"

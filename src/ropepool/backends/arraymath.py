@@ -2,7 +2,7 @@
 
 The Triton kernel does this per token in registers; here it is whole-array
 code over an ``ops`` adapter (``torch_arrays.TorchOps``, ``mlx_arrays.MlxOps``,
-shared with ``blockquant`` and ``dsa_store``) that names the few functions
+shared with the formats, formats/) that names the few functions
 whose spelling differs. The NumPy oracle (``ropepool.reference``) is not
 written over it: it is the independent float64 definition these are checked
 against. It reads only the Call's records: the
@@ -108,12 +108,3 @@ def quantize(x, scale, fp8_max, ops):
     if hasattr(scale, "shape") and ops.numel(scale) > 1:
         scale = scale[:, None]
     return ops.clip(x / scale, -fp8_max, fp8_max)
-
-
-def quantize_per_token_head(x, qmax: float, integer: bool, ops):
-    """vLLM's per-token-head quantizer (reference.quantize_per_token_head) in float32 as its kernel does it:
-    for ``x [N, H, D]``, ``s = max(amax(|row|) / qmax, 1e-6)`` ``[N, H]`` and the rows ``x * (1 / s)``
-    saturated, truncated toward zero for int8. The caller casts the rows once."""
-    s = ops.clip(ops.div(ops.absmax_last(x), qmax), 1e-6, None)
-    y = ops.clip(x * (1.0 / s)[..., None], -qmax, qmax)
-    return (ops.trunc(y) if integer else y), s

@@ -16,7 +16,7 @@ scatter would then copy the pool.
 
 Speed on MLX's CPU backend (docs/mlx.md has the measurements): every node of
 the graph costs several microseconds to schedule, so a decode-sized call
-(up to ``COMPILE_MAX_TOKENS`` tokens) runs as one ``mx.compile``d graph, traced
+(up to ``plan.Tuning.compile_tokens`` tokens) runs as one ``mx.compile``d graph, traced
 once per layout and token count; larger calls run the same function eagerly,
 where compiling gains nothing and each new token count would trace anew.
 ``MLX_DISABLE_COMPILE=1`` (MLX's own switch) runs everything eagerly.
@@ -32,13 +32,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..checks.layout import page_and_row, row_ids
-from . import arraymath, blockquant, paths
+from ..core.layout import page_and_row, row_ids
+from ..formats import BLOCK
+from . import arraymath, paths
 from .mlx_arrays import MlxOps, extras
 
-COMPILE_MAX_TOKENS = 64
-CHUNK_TOKENS = 256  # larger calls run in chunks on MLX's CPU backend ...
-CHUNK_FEATURES = 1 << 18  # ... of about this many q features each (1 MB of float32 temporaries)
+CHUNK_TOKENS = 256  # larger calls run in chunks on MLX's CPU backend, of plan.Tuning.chunk_features q features
 
 
 # --- the pool write ----------------------------------------------------------------------------
@@ -91,11 +90,7 @@ def write(pool: mx.array, geom, ids: mx.array, keep: mx.array, rows: mx.array) -
 
 def _block(rows, store, scale):
     """The arrays a block-quantized pool stores for ``rows [T, H, D]`` (the row's dtype), each ``[T, H, ...]``."""
-    T, H, D = rows.shape
-    if store.format == "nvfp4":
-        return blockquant.nvfp4(rows.astype(mx.float32), scale, MlxOps)
-    parts = mx.quantize(rows.reshape(T * H, D), group_size=store.group, bits=store.bits)
-    return tuple(p.reshape(T, H, -1) for p in parts)  # mlx-lm's quantized cache stores exactly these
+    return BLOCK[store.format].rows(rows, store, scale, MlxOps)
 
 
 def _to_pool(rows, store, scale, pool):
@@ -138,8 +133,9 @@ _MAX_GRAPHS = 256
 
 
 class Prepared:
-    def __init__(self, plan):
+    def __init__(self, plan, tuning):
         self.call = call = plan.call
+        self.compile_tokens, self.chunk_features = tuning.compile_tokens, tuning.chunk_features
         graphs = _GRAPHS.get(plan.key)
         if graphs is None:
             if len(_GRAPHS) >= _MAX_GRAPHS:
@@ -168,18 +164,18 @@ class Prepared:
 
     def run_with(self, arrays, q, k, v, positions, slots, k_pool, v_pool):
         T = q.shape[0]
-        if T <= COMPILE_MAX_TOKENS:
+        if T <= self.compile_tokens:
             paths.took("mlx.compiled")
             return self.compiled(q, k, v, positions, slots, k_pool, v_pool, *arrays)
         if T <= CHUNK_TOKENS or self.call.rotation.long_from is not None or mx.default_device() != mx.cpu:
             # longrope: one choice of factors per call; a GPU runs the whole call in one pass of each op
             return self.eager(q, k, v, positions, slots, k_pool, v_pool, *arrays)
-        # On the CPU, chunks of about CHUNK_FEATURES q features keep each float32 temporary in the
+        # On the CPU, chunks of about chunk_features q features keep each float32 temporary in the
         # caches and small enough for the allocator to reuse (docs/mlx.md; the comparison of chunk sizes
         # that chose this was not recorded, the records under docs/bench are of the chosen size).
         # Each chunk writes the pools the last returned, so they stay donated.
         q_rot, k_rot = [], []
-        step = max(1, CHUNK_FEATURES // (q.shape[1] * q.shape[2]))
+        step = max(1, self.chunk_features // (q.shape[1] * q.shape[2]))
         for s in range(0, T, step):
             part = slice(s, s + step)
             pos = positions[..., part]  # [T] or MRoPE's [3, T]
@@ -191,4 +187,4 @@ class Prepared:
 
 
 def prepare(plan, tuning, fallback=None):
-    return Prepared(plan)
+    return Prepared(plan, tuning)

@@ -13,7 +13,7 @@ from . import arraymath
 
 class MlxOps:
     """The one spelling, for MLX, of what the shared array math calls on MLX arrays (``arraymath``,
-    ``blockquant``, ``dsa_store``): the names and meanings of ``torch_arrays.TorchOps``, less the functions
+    the formats): the names and meanings of ``torch_arrays.TorchOps``, less the functions
     only torch's stores call (per-token-head scales: ``div``, ``trunc``; the byte offsets of ``put``:
     ``arange``).
 

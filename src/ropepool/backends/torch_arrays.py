@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..checks.dsa import E4M3_MAX
+from ..formats.e4m3 import E4M3_MAX
 from . import arraymath
 
 
 class TorchOps:
-    """The one spelling, for torch, of every function the shared array math calls (``arraymath``, ``blockquant``,
-    ``dsa_store``; ``mlx_arrays.MlxOps`` is MLX's, with the same names and meanings).
+    """The one spelling, for torch, of every function the shared array math calls (``arraymath``, the formats;
+    ``mlx_arrays.MlxOps`` is MLX's, with the same names and meanings).
 
     A class of static functions, passed as it is: nothing is made at import or per call, and torch.compile
     traces through it as through any module-level function (it cannot trace making a namespace of lambdas).

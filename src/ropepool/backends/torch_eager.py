@@ -8,8 +8,9 @@ views.
 """
 from __future__ import annotations
 
-from ..checks.layout import page_and_row, paged_view, write_at
-from . import arraymath, blockquant, dsa_store
+from ..core.layout import page_and_row, paged_view, write_at
+from ..formats import BLOCK, BYTES, NONE, per_token_head
+from . import arraymath
 from .torch_arrays import TorchOps, as_tensor_scale, extras
 
 
@@ -43,18 +44,20 @@ class Prepared:
         if st.k_pool.bits:  # block-quantized: each pool a tuple of arrays, each written in place
             for pool, rows, store, scale in ((k_pool, k_rows, st.k_pool, ex.k_scale),
                                              (v_pool, v3, st.v_pool, ex.v_scale)):
-                stored_parts = blockquant.torch_store(rows[write].float(), store, scale, rows.dtype, ops)
+                stored_parts = BLOCK[store.format].rows(rows[write], store, scale, ops)
                 for part, stored in zip(pool, stored_parts):
                     paged_view(part.view(stored.dtype), call.pool).index_put_((page, row), stored)
             return q_rot, k_rot, k_pool, v_pool
         for which, (pool, rows, store, scale) in enumerate(((k_pool, k_rows, st.k_pool, ex.k_scale),
                                                             (v_pool, v3, st.v_pool, ex.v_scale))):
             rows = rows[write]
-            if store.format in dsa_store.FORMATS:  # DeepSeek V3.2's byte rows (backends/dsa_store.py)
-                dsa_store.put(store.format, pool, call.pool, page, row, rows[:, 0], ops)
+            if store.format in BYTES:  # DeepSeek V3.2's byte rows (formats/fp8_ds_mla.py, formats/indexer.py)
+                BYTES[store.format].put(store.format, pool, call.pool, page, row, rows[:, 0], ops)
                 continue
-            if store.format == "per_token_head":  # each row's scale, where the pool keeps the row
-                rows, s = arraymath.quantize_per_token_head(rows.float(), store.qmax, store.integer, ops)
+            if store.format == NONE:
+                continue
+            if store.format == per_token_head.NAME:  # each row's scale, where the pool keeps the row
+                rows, s = per_token_head.rows(rows.float(), store.qmax, store.integer, ops)
                 paged_view(store.scale_cache[..., None], call.pool).index_put_((page, row), s[..., None])
             elif store.format == "scaled":
                 rows = arraymath.quantize(rows.float(), scale, store.qmax, ops)

@@ -27,9 +27,9 @@ import struct
 import torch
 
 from .. import native
-from ..checks.layout import KV_LAYOUTS
 from ..checks.validate import check_host_values
 from ..checks.values import _PRECISE_POSITIONS, check_values
+from ..core.layout import KV_LAYOUTS
 from ..errors import RopePoolError
 from . import arraymath, paths
 from .torch_arrays import TorchOps, extras

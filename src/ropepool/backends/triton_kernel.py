@@ -141,7 +141,7 @@ def _load_pairs(row, i, mask, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, GPTJ
 @triton.jit
 def _feature(d, TD: tl.constexpr, D1: tl.constexpr, D0: tl.constexpr):
     """Feature d's offset in a row: d itself (TD 1: untiled, the same code as a plain ``row + d``), or in a
-    tiled pool (vLLM's AMX cache, checks/layout.py: TILED) tile d // TD at stride D1, place d % TD at D0."""
+    tiled pool (vLLM's AMX cache, core/layout.py: TILED) tile d // TD at stride D1, place d % TD at D0."""
     if TD == 1:
         off = d
     else:

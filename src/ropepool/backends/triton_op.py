@@ -21,7 +21,7 @@ from typing import List, Optional
 import torch
 import triton
 
-from ..checks.layout import TILED, paged_view, pool_geometry, tiled_view
+from ..core.layout import TILED, paged_view, pool_geometry, tiled_view
 from ..errors import RopePoolError
 from .torch_arrays import extras
 from .triton_launch import CONSTEXPRS, MAX_ENTRIES, Launch, long_factors

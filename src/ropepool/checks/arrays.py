@@ -6,8 +6,8 @@ import numbers
 
 import numpy as np
 
+from ..core.dtypes import FRAMEWORK_TYPES, framework_of
 from ..errors import RopePoolError
-from .dtypes import FRAMEWORK_TYPES, framework_of
 
 
 def shape_of(x) -> list:

@@ -1,29 +1,20 @@
-"""Checks of block-quantized pools: NVFP4 and MLX's affine 4/8-bit format, each cache a tuple of arrays.
+"""Checks of block-quantized pools (each cache a tuple of arrays): what every such format shares.
 
 A block-quantized K (or V) cache is passed as the tuple of arrays the engine
-keeps (docs/layouts.md shows their bytes):
-
-- NVFP4 (FlashInfer): ``(data, block_scales)``: uint8 ``[..., head_dim // 2]``
-  and float8_e4m3fn ``[..., head_dim // 16]`` (MLX: uint8 holding e4m3), with
-  the global decode scales as ``k_scale`` / ``v_scale``;
-- affine (``mx.quantize``, mlx-lm's ``QuantizedKVCache``): ``(words, scales,
-  biases)``: uint32 ``[..., head_dim * bits // 32]`` (bits 4 or 8) and two
-  arrays of q's dtype ``[..., head_dim // group_size]`` (group 32, 64 or 128).
-
-Every part has the pool's layout (flat, NHD, HND, ``layer=``) and differs
-only in its last dim. ``check_block_pools`` raises before anything is
-written, naming the part, and returns the two pools' ``stores.Store``.
+keeps; each format's module (formats/: nvfp4, affine) says what its arrays
+hold and checks them. Every part has the pool's layout (flat, NHD, HND,
+``layer=``) and differs only in its last dim. ``check_block_pools`` raises
+before anything is written, naming the part, and returns the two pools'
+``stores.Store``.
 """
 from __future__ import annotations
 
+from ..core.dtypes import FRAMEWORK_TYPES, framework_of
+from ..core.stores import Store
 from ..errors import RopePoolError
-from ..plan.stores import Store
-from ..reference.quant import AFFINE_BITS, AFFINE_GROUP_SIZES, E2M1_MAX, NVFP4_BLOCK
+from ..formats import BLOCK_BY_PARTS
 from .arrays import same_place, shape_of
-from .dtypes import FRAMEWORK_TYPES, dtype_name, framework_of
 from .pools import check_pool_scales
-
-PARTS = {"nvfp4": ("data", "block scales"), "affine": ("words", "scales", "biases")}
 
 
 def is_block_pool(pool) -> bool:
@@ -54,7 +45,7 @@ def check_block_pools(names, k_pool, v_pool, head_dim, q, fw, scales) -> tuple:
                             f"arrays; got {plain[0]} as {type(pools[plain[0]]).__name__}. Fix: pass each cache as "
                             "(data, block_scales) for NVFP4 or (words, scales, biases) for the affine format.")
     for name, parts in pools.items():
-        if len(parts) not in (2, 3):
+        if len(parts) not in BLOCK_BY_PARTS:
             raise RopePoolError(f"{name} as a tuple must hold (data, block_scales) for NVFP4 or (words, scales, "
                                 f"biases) for the affine format; got {len(parts)} arrays. Fix: pass the cache's "
                                 "arrays in that order (docs/layouts.md).")
@@ -66,67 +57,14 @@ def check_block_pools(names, k_pool, v_pool, head_dim, q, fw, scales) -> tuple:
     if len(k_pool) != len(v_pool):
         raise RopePoolError(f"{names[0]} and {names[1]} must be caches of one format; got {len(k_pool)} and "
                             f"{len(v_pool)} arrays. Fix: quantize K and V alike.")
-    fmt = _nvfp4(names, pools, head_dim, fw) if len(k_pool) == 2 else _affine(names, pools, head_dim, q)
+    fmt = BLOCK_BY_PARTS[len(k_pool)]
+    fields = fmt.check(names, pools, head_dim, q, fw)
     for name, parts in pools.items():
         for i, part in enumerate(parts[1:], 1):
             if shape_of(part)[:-1] != shape_of(parts[0])[:-1]:
-                raise RopePoolError(f"{name}[{i}] ({PARTS[fmt['format']][i]}) must have {name}[0]'s shape but its last "
+                raise RopePoolError(f"{name}[{i}] ({fmt.PARTS[i]}) must have {name}[0]'s shape but its last "
                                     f"dim, {shape_of(parts[0])[:-1]}; got {shape_of(part)}. Fix: allocate every array "
                                     "of a cache in the same layout.")
-    scales = check_pool_scales(("k_scale", "v_scale"), scales, "nvfp4" if fmt["format"] == "nvfp4" else None,
-                                k_pool[0], q, None)
-    return tuple(Store(scale=s, **fmt) for s in scales)
-
-
-def _last(name, i, part, fmt, want, fix):
-    if part.ndim == 0 or part.shape[-1] != want:
-        got = part.shape[-1] if part.ndim else "a scalar"
-        raise RopePoolError(f"{name}[{i}] ({PARTS[fmt][i]}) must have a last dim of {want}; got {got}. Fix: {fix}.")
-
-
-def _dtype(name, i, part, fmt, want):
-    if dtype_name(part) != want:
-        raise RopePoolError(f"{name}[{i}] ({PARTS[fmt][i]}) must have dtype {want}; got {dtype_name(part)}. "
-                            f"Fix: allocate it as {want} (docs/layouts.md).")
-
-
-def _nvfp4(names, pools, head_dim, fw) -> dict:
-    if head_dim % NVFP4_BLOCK:
-        raise RopePoolError(f"NVFP4 quantizes blocks of {NVFP4_BLOCK} features; got head_dim {head_dim}. Fix: "
-                            "use NVFP4 caches only for a head_dim that is a multiple of 16.")
-    sf_dtype = "uint8" if fw == "mlx" else "float8_e4m3fn"  # MLX keeps e4m3 bits in uint8 (mx.to_fp8)
-    for name, (data, sf) in pools.items():
-        _dtype(name, 0, data, "nvfp4", "uint8")
-        _last(name, 0, data, "nvfp4", head_dim // 2, "two e2m1 codes a byte: head_dim // 2")
-        _dtype(name, 1, sf, "nvfp4", sf_dtype)
-        _last(name, 1, sf, "nvfp4", head_dim // NVFP4_BLOCK,
-              "one e4m3 scale per block of 16 features (NVFP4 has no other block size): head_dim // 16")
-    return dict(format="nvfp4", element="float4_e2m1", qmax=E2M1_MAX, bits=4, group=NVFP4_BLOCK)
-
-
-def _affine(names, pools, head_dim, q) -> dict:
-    found = []
-    for name, parts in pools.items():
-        _dtype(name, 0, parts[0], "affine", "uint32")
-        width = parts[0].shape[-1] if parts[0].ndim else 0
-        bits = width * 32 // head_dim
-        if width * 32 % head_dim or bits not in AFFINE_BITS:
-            options = " or ".join(f"{head_dim * b // 32} (bits {b})" for b in AFFINE_BITS)
-            raise RopePoolError(f"{name}[0] (words) must have a last dim of head_dim * bits // 32, {options}; got "
-                                f"{width}. Fix: mlx-lm's kv_bits 4 or 8 (mx.quantize packs 32 // bits codes a "
-                                "uint32 word).")
-        for i in (1, 2):
-            _dtype(name, i, parts[i], "affine", dtype_name(q))
-            n = parts[i].shape[-1] if parts[i].ndim else 0
-            group = head_dim // n if n else 0
-            if group not in AFFINE_GROUP_SIZES or group * n != head_dim:
-                raise RopePoolError(
-                    f"{name}[{i}] ({PARTS['affine'][i]}) must have head_dim // group_size entries, group_size "
-                    f"{', '.join(map(str, AFFINE_GROUP_SIZES))} (the ones mx.quantize has); got a last dim of {n} "
-                    f"for head_dim {head_dim}. Fix: mlx-lm's kv_group_size 64: head_dim // 64 entries.")
-        found.append((bits, group))
-    if found[0] != found[1]:
-        raise RopePoolError(f"{names[0]} and {names[1]} must be caches of one format; got (bits, group_size) "
-                            f"{found[0]} and {found[1]}. Fix: quantize K and V alike.")
-    bits, group = found[0]
-    return dict(format="affine", element=f"uint{bits}", qmax=float(2 ** bits - 1), bits=bits, group=group)
+    scales = check_pool_scales(("k_scale", "v_scale"), scales, fmt.NAME if fmt.GLOBAL_SCALE else None, k_pool[0], q,
+                               None)
+    return tuple(Store(scale=s, **fields) for s in scales)

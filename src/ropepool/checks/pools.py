@@ -10,10 +10,10 @@ import numbers
 
 import numpy as np
 
+from ..core.dtypes import FP8_DTYPES, FRAMEWORK_TYPES, MLX_FP8, dtype_name, framework_of, tracing
+from ..core.layout import KV_LAYOUTS, TILED, PoolGeometry, pool_geometry, pool_rank
 from ..errors import RopePoolError
 from .arrays import as_float32, is_int, reshape_word, same_place, shape_of
-from .dtypes import FP8_DTYPES, FRAMEWORK_TYPES, MLX_FP8, dtype_name, framework_of, tracing
-from .layout import KV_LAYOUTS, TILED, PoolGeometry, pool_geometry, pool_rank
 
 
 def _pool_fix(fw, name, pool, heads, dim) -> str:

@@ -15,16 +15,16 @@ import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .. import backends
+from ..core.dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_name, tracing
+from ..core.layout import TILED, PoolGeometry
+from ..core.stores import PLAIN, Store, Stores
 from ..errors import RopePoolError
-from ..plan.stores import PLAIN, Store, Stores
+from ..formats import NONE, fp8_ds_mla, indexer, per_token_head
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache, RopeSpec, Rotation
-from . import dsa
+from ..support import takes
 from .arrays import check_devices, check_ints, check_strides, check_types, reshape_word, same_place, shape_of
 from .blocks import check_block_pools, first_array, is_block_pool
-from .dtypes import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, QMAX, dtype_name, tracing
-from .layout import TILED, PoolGeometry
 from .pools import (
     check_distinct_pools,
     check_pool_dtypes,
@@ -33,6 +33,7 @@ from .pools import (
     check_scale,
     check_scale_caches,
 )
+from .refusals import refuse
 from .values import check_values
 
 _ARRAYS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool")
@@ -55,7 +56,7 @@ class Call:
     rotation: Rotation
     position_rows: int  # 3 for [3, num_tokens] MRoPE positions
     norm: QKNorm | None
-    # How each destination stores its rows (plan/stores.py): formats, bounds, scales. Per-token-head scale caches
+    # How each destination stores its rows (core/stores.py): formats, bounds, scales. Per-token-head scale caches
     # are held weakly (Store.scale_ref): a remembered runner must not keep the caller's caches alive
     # (plan/cache.py drops its keys when they are freed).
     stores: Stores
@@ -75,7 +76,7 @@ def _store(element, scale=None, cache=None) -> Store:
     if element is None:
         return PLAIN
     if cache is not None:
-        return Store("per_token_head", element, QMAX[element], scale_ref=weakref.ref(cache))
+        return Store(per_token_head.NAME, element, QMAX[element], scale_ref=weakref.ref(cache))
     return Store("scaled", element, QMAX[element], scale)
 
 
@@ -134,9 +135,9 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
     width = head_dim if pools is None else k_pool.shape[-1]
     pool = check_pools(op, ("k_pool", "v_pool"), k_pool, v_pool, layer, kv_layout, num_kv_heads, width, width, fw)
     if pth:
-        backends.refuse(fw, "pool.per_token_head")
+        refuse(fw, "pool.per_token_head")
     fp8 = None if pools else check_pool_dtypes(("k_pool", "v_pool"), k_pool, v_pool, dt, fw,
-                                                pth if backends.takes(fw, "pool.per_token_head") else None)
+                                                pth if takes(fw, "pool.per_token_head") else None)
     if pth:
         caches = check_scale_caches(("k_scale_cache", "v_scale_cache"), caches, fp8, (k_pool, v_pool), q,
                                      (k_scale, v_scale), fw)
@@ -146,7 +147,7 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
                                               num_kv_heads)
         pools = (_store(fp8, k_scale), _store(fp8, v_scale))
     if pool.kv_layout in TILED:
-        backends.refuse(fw, "layout." + pool.kv_layout)
+        refuse(fw, "layout." + pool.kv_layout)
         if pools[0].quantized:
             raise RopePoolError(f"kv_layout={pool.kv_layout!r} takes pools in q's dtype; got {pools[0].format} pools "
                                 f"({dtype_name(k_pool)}). Fix: allocate the cache in q's dtype (vLLM packs its AMX "
@@ -162,10 +163,10 @@ def check(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_qo_heads, 
                 _store(*_check_out("k_out", k_out, k, "k_out_scale", k_out_scale)))
     else:  # outputs are written in place: the backends of other frameworks may not take them (their rows say)
         if q_out is not None or k_out is not None:
-            backends.refuse(fw, "out", names="q_out/k_out")
+            refuse(fw, "out", names="q_out/k_out")
         for name, s in (("q_scale", q_scale), ("k_out_scale", k_out_scale)):
             if s is not None:
-                backends.refuse(fw, f"{name[0]}_out.scaled", name=name)
+                refuse(fw, f"{name[0]}_out.scaled", name=name)
         outs = (PLAIN, PLAIN)
     call = Call(framework=fw, dtype=dt, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 v_head_dim=head_dim, pool=pool, pool_dtype=dtype_name(k_pool), rotation=rotation, position_rows=rows,
@@ -180,7 +181,7 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
                  scale=None, q_pe_out=None, cache_format=None, frameworks=("torch", "mlx")) -> Call:
     """Check a rope_latent_fused call (MLA) in full and describe it as a call with one latent KV head.
     With ``cache_format="fp8_ds_mla"``, ckv_cache is the whole [..., 656] uint8 cache and kpe_cache the
-    view of its k_pe part (``dsa.ds_mla_kpe``, which has checked the format)."""
+    view of its k_pe part (``checks.dsa.ds_mla_kpe``, which has checked the format)."""
     op = "rope_latent_fused"
     fw = check_types(op, _LATENT_ARRAYS, (q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache), frameworks)
     if fw == "torch":
@@ -208,12 +209,12 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
                             "qk_rope_head_dim.")
     rows = _check_positions(op, positions, slots, T, rotation)
     dt = _check_dtypes(fw, ("q_pe", "k_pe", "kv_c"), (q_pe, k_pe, kv_c), positions, slots)
-    ds_mla = cache_format == "fp8_ds_mla"
+    ds_mla = cache_format == fp8_ds_mla.NAME
     pool = check_pools(op, ("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache[..., :kv_lora_rank] if ds_mla else
                        ckv_cache, layer, kv_layout, 1, rope_dim, kv_lora_rank, fw, headed=False)
     fp8 = None if ds_mla else check_pool_dtypes(("kpe_cache", "ckv_cache"), kpe_cache, ckv_cache, dt, fw)
     (scale,) = check_pool_scales(("scale",), (scale,), fp8, kpe_cache, q_pe, None)
-    stores = Stores(PLAIN, Store("fp8_ds_mla", "float8_e4m3fn", QMAX["float8_e4m3fn"]), PLAIN, PLAIN) if ds_mla \
+    stores = Stores(PLAIN, Store(fp8_ds_mla.NAME, "float8_e4m3fn", QMAX["float8_e4m3fn"]), PLAIN, PLAIN) if ds_mla \
         else Stores(_store(fp8, scale), _store(fp8, scale), PLAIN, PLAIN)
     if fw == "torch":
         check_strides(q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, positions=positions, slots=slots, ckv_cache=ckv_cache,
@@ -221,7 +222,7 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
         check_distinct_pools(("ckv_cache", "kpe_cache"), ckv_cache, kpe_cache)
         _check_out("q_pe_out", q_pe_out, q_pe, None, None)
     elif q_pe_out is not None:
-        backends.refuse(fw, "out", names="q_pe_out")
+        refuse(fw, "out", names="q_pe_out")
     call = Call(framework=fw, dtype=dt, num_qo_heads=heads, num_kv_heads=1, head_dim=rope_dim,
                 v_head_dim=kv_lora_rank, pool=pool, pool_dtype=dtype_name(kpe_cache), rotation=rotation,
                 position_rows=rows, norm=None, stores=stores,
@@ -234,13 +235,13 @@ def check_latent(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, ro
 
 def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quant_block_size=128, kv_layout=None,
                   layer=None, q_out=None, frameworks=("torch", "mlx")) -> Call:
-    """Check a rope_indexer_fused call (DeepSeek V3.2's indexer key, ropepool.checks.dsa) and describe it as a call
+    """Check a rope_indexer_fused call (DeepSeek V3.2's indexer key, formats/indexer.py) and describe it as a call
     with one KV head whose pool is the uint8 cache and which has no value (its v store is "none")."""
     op = "rope_indexer_fused"
     fw = check_types(op, _INDEXER_ARRAYS, (q, k, positions, slots, k_cache), frameworks)
     if fw == "torch":
         check_devices(op, _INDEXER_ARRAYS + ("q_out",), (q, k, positions, slots, k_cache, q_out))
-    backends.refuse(fw, "pool.indexer")
+    refuse(fw, "pool.indexer")
     if rope is None:
         raise TypeError("rope_indexer_fused needs rope=, a RopeSpec or CosSinCache; got None. Fix: DeepSeek V3.2's "
                         "indexer rotates NeoX pairs of its first 64 features: RopeSpec(head_dim=128, rotary_dim=64, "
@@ -250,7 +251,7 @@ def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quan
         raise RopePoolError(f"rope_indexer_fused expects q [T, num_heads, head_dim] and k [T, head_dim] (or [T, 1, "
                             f"head_dim]); got q {shape_of(q)}, k {shape_of(k)}. Fix: the indexer's q heads and its one "
                             "key per token, of the same head_dim.")
-    dsa.check_indexer(op, k, k_cache, quant_block_size, scale_fmt)
+    indexer.check(op, k, k_cache, quant_block_size, scale_fmt)
     rotation = _resolve_rope(rope, 10000.0, D, q)
     rows = _check_positions(op, positions, slots, T, rotation)
     dt = _check_dtypes(fw, ("q", "k"), (q, k), positions, slots)
@@ -259,14 +260,14 @@ def check_indexer(q, k, positions, slots, k_cache, *, rope, scale_fmt=None, quan
                        headed=False)
     if fw == "torch":
         check_strides(q=q, k=k, positions=positions, slots=slots, k_cache=k_cache)
-        dsa.check_indexer_pages(op, k_cache, pool.page_size)
+        indexer.check_pages(op, k_cache, pool.page_size)
         _check_out("q_out", q_out, q, None, None)
     elif q_out is not None:
-        backends.refuse(fw, "out", names="q_out")
-    key = Store("indexer_ue8m0" if scale_fmt == "ue8m0" else "indexer", "float8_e4m3fn", QMAX["float8_e4m3fn"])
+        refuse(fw, "out", names="q_out")
+    key = Store(indexer.name(scale_fmt), "float8_e4m3fn", QMAX["float8_e4m3fn"])
     call = Call(framework=fw, dtype=dt, num_qo_heads=heads, num_kv_heads=1, head_dim=D, v_head_dim=D, pool=pool,
                 pool_dtype="uint8", rotation=rotation, position_rows=rows, norm=None,
-                stores=Stores(key, Store("none"), PLAIN, PLAIN), host_values=_host_values(fw, positions), latent=True,
+                stores=Stores(key, Store(NONE), PLAIN, PLAIN), host_values=_host_values(fw, positions), latent=True,
                 autograd=_autograd(fw, q, k), traced=tracing(fw))
     if call.host_values:
         check_host_values(call, positions, slots)

@@ -11,9 +11,10 @@ import warnings
 
 import numpy as np
 
+from ..core.dtypes import INDEX_DTYPES, dtype_name, framework_of
+from ..core.step import STEP
 from ..errors import RopePoolError
 from .arrays import check_ints
-from .dtypes import INDEX_DTYPES, dtype_name, framework_of
 
 _PRECISE_POSITIONS = 2**24  # float32 holds every integer up to here: the precision promise's end
 _FEW = 64  # up to here values are checked as Python ints (16 tokens: 3.5 us, NumPy 17); above, NumPy is faster
@@ -33,43 +34,6 @@ def _few_fine(positions, slots, pool_size: int, max_position: int | None) -> boo
         return False
     used = [s for s in slt if s >= 0]
     return not used or (max(used) < pool_size and len(set(used)) == len(used))
-
-
-class Step:
-    """Arrays a serving step passes to every layer's call, unchanged until the next step (``begin``).
-
-    An engine integration that makes one positions array (and one slots array per group of layers) per
-    step registers them with ``begin``; calls given exactly these objects then check their values once
-    per step, and the CPU path makes their cos/sin once per step (``memo``), for every layer. The
-    caller promises not to change them until it calls ``begin`` again; nothing else is ever reused (an
-    array not registered, however equal, is checked and computed in full). The registry keeps the
-    arrays alive, so no other array can take their identity.
-    """
-
-    def __init__(self):
-        self.arrays: tuple = ()
-        self.memo: dict = {}
-
-    def begin(self, *arrays) -> None:
-        self.arrays, self.memo = arrays, {}
-
-    def add(self, *arrays) -> None:
-        """More arrays of the same step (e.g. the slots of another group of layers): what was made for the
-        arrays registered so far stays."""
-        self.arrays += arrays
-
-    def holds(self, *arrays) -> bool:
-        mine = self.arrays
-        for x in arrays:  # (loops, not all/any of generators: this runs in every layer's call)
-            for y in mine:
-                if x is y:
-                    break
-            else:
-                return False
-        return bool(mine)
-
-
-STEP = Step()
 
 
 def check_values(positions, slots, pool_size: int, max_position: int | None = None) -> None:

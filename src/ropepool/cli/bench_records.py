@@ -50,9 +50,13 @@ CODE_PATHS = {
             "src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py",
             "src/ropepool/backends/torch_cpu_one_token.py", "src/ropepool/backends/torch_cpu_norm.py",
             "src/ropepool/backends/arraymath.py", "src/ropepool/backends/torch_arrays.py",
-            "src/ropepool/backends/dsa_store.py"],
+            "src/ropepool/backends/dsa_store.py", "src/ropepool/formats/nvfp4.py", "src/ropepool/formats/affine.py",
+            "src/ropepool/formats/fp8_ds_mla.py", "src/ropepool/formats/indexer.py", "src/ropepool/formats/e4m3.py",
+            "src/ropepool/formats/per_token_head.py"],
+    # (backends/blockquant.py: the block formats' array math before formats/)
     "mlx": ["src/ropepool/backends/mlx.py", "src/ropepool/backends/arraymath.py",
-            "src/ropepool/backends/mlx_arrays.py", "src/ropepool/backends/blockquant.py"],
+            "src/ropepool/backends/mlx_arrays.py", "src/ropepool/backends/blockquant.py",
+            "src/ropepool/formats/nvfp4.py", "src/ropepool/formats/affine.py"],
 }
 # A CPU serving run (``ropepool demo``'s records) measures the CPU path and the transformers integration
 # that calls it in the serving step.

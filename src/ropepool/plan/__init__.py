@@ -2,7 +2,7 @@
 
 The flow is one-way: ``validate`` checks a call and describes it (a frozen
 ``Call``), ``build`` turns that into a ``Plan``, ``make`` picks the backend
-row whose declared support covers the plan's features (backends/__init__.py)
+row whose declared support covers the plan's features (support.py)
 and lets it prepare its launch state once, and ``Ready.bind`` gives the
 function that runs calls of that layout. Tuning values (warps, the head split)
 are an argument of ``make``, never module globals.
@@ -35,12 +35,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from .. import backends
-from ..checks import validate  # (the module: validate imports .stores, so this package may be half-made yet)
+from ..checks import validate
+from ..core.stores import DESTINATIONS, Stores, feature
+from ..support import ALL as FEATURES  # every feature a plan may name
 from .cache import entry, forget, indexer_key, latent_key, lookup, out_kind, pool_key, remember
-from .stores import DESTINATIONS, Stores, feature
-
-# Every feature a plan may name (a backend row's ``supports`` is a subset).
-FEATURES = backends.ALL
 
 
 class Extras(NamedTuple):
@@ -86,8 +84,7 @@ def build(call: validate.Call) -> Plan:
     rot, norm, st = call.rotation, call.norm, call.stores
     used = {"norm": norm is not None, "mrope": call.position_rows == 3, "table": rot.table_ref is not None,
             "longrope": rot.long_from is not None and rot.table_ref is None, "latent": call.latent,
-            "autograd": call.autograd, "traced": call.traced, "layout.amx": call.pool.kv_layout == "amx",
-            "pool.block.torch": st.k_pool.format in ("nvfp4", "affine") and (st.k_out.quantized or call.traced)}
+            "autograd": call.autograd, "traced": call.traced, "layout.amx": call.pool.kv_layout == "amx"}
     features = frozenset([f for f, on in used.items() if on] +
                          [f for f in map(feature, DESTINATIONS, st) if f is not None])
     qw, kw = (None, None) if norm is None else norm.weights
@@ -110,11 +107,17 @@ def build(call: validate.Call) -> Plan:
 
 @dataclass(frozen=True)
 class Tuning:
-    """The Triton launcher's choices; None picks the measured default for the call (docs/benchmarks.md)."""
+    """Every backend's settings, read when a plan is prepared (``make``), never from module globals.
+
+    Triton: None picks the measured default for the call (docs/benchmarks.md). MLX (docs/mlx.md): calls of up
+    to ``compile_tokens`` tokens run one ``mx.compile``d graph; larger ones on the CPU, in chunks of about
+    ``chunk_features`` q features (1 MB of float32 temporaries)."""
 
     num_warps: int | None = None
     head_split: int | None = None  # programs a token's heads are split over, at up to small_tokens tokens
     small_tokens: int = 64
+    compile_tokens: int = 64
+    chunk_features: int = 1 << 18
 
 
 DEFAULT_TUNING = Tuning()

@@ -27,8 +27,8 @@ import sys
 import weakref
 from typing import Callable
 
-from ..checks import validate  # (the module: see plan/__init__.py)
-from ..checks.dtypes import tracing
+from ..checks import validate
+from ..core.dtypes import tracing
 from ..rotation.spec import CosSinCache, ScaleKey, TableKey
 
 
@@ -103,7 +103,7 @@ def entry(scalars: tuple, arrays: tuple) -> tuple | None:
         return None
     if entries and isinstance(arrays[0], _Tensor):
         q, k, v, positions, slots, k_pool, v_pool, q_out, k_out = arrays
-        # None: no such array (DeepSeek V3.2's caches: ropepool.checks.dsa; api.py passes what the call was given)
+        # None: no such array (DeepSeek V3.2's caches: formats/; api.py passes what the call was given)
         whole = v is not None and k_pool is not None and v_pool is not None
         tensors = arrays[:7] if whole and q_out is None and k_out is None else _guarded(arrays)
         # The guard leaves every token dim free, each on its own: the counts must agree with q's.
@@ -159,7 +159,7 @@ def _guarded(arrays: tuple) -> tuple:
     scalars say so). TensorGuards.check fails on a tensor passed twice, so an in-place call never hit."""
     q, k, q_out, k_out = arrays[0], arrays[1], arrays[7], arrays[8]
     head = arrays[:7]
-    if any(x is None for x in head):  # an array the call has not (ropepool.checks.dsa): a stand-in of its own, in place
+    if any(x is None for x in head):  # an array the call has not (formats/indexer.py): a stand-in of its own, in place
         head = tuple(_absent(i) if x is None else x for i, x in enumerate(head))
     return head + tuple(x for x, given in ((q_out, q), (k_out, k)) if x is not None and x is not given)
 

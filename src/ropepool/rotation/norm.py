@@ -11,7 +11,7 @@ import math
 import numbers
 import re
 
-from ..checks.dtypes import FRAMEWORK_TYPES, dtype_name, framework_of
+from ..core.dtypes import FRAMEWORK_TYPES, dtype_name, framework_of
 from ..errors import RopePoolError
 
 _WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..checks.arrays import as_float32
-from ..checks.dtypes import FLOAT_DTYPES, dtype_name, framework_of
+from ..core.dtypes import FLOAT_DTYPES, dtype_name, framework_of
 from ..errors import RopePoolError
 from .scaling import ROPE_TYPES, longrope_inv_freq, original_max
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...checks.values import STEP
+from ...core.step import STEP
 from ...errors import RopePoolError
 
 
@@ -89,7 +89,7 @@ def _group_step(write, trash, read_index, sentinel) -> tuple:
     this step's rows among them, and the layout of positions and slots."""
     # Few slots are read as Python ints (0.3 us) to skip the two ops where no token goes to the trash (most steps)
     slots = write.masked_fill(write == trash, -1) if write.shape[0] > 64 or trash in write.tolist() else write
-    STEP.add(slots)  # the step's arrays: values checked, cos/sin made once for all groups (values.Step)
+    STEP.add(slots)  # the step's arrays: values checked, cos/sin made once for all groups (core/step.py)
     new = None if sentinel is None or not read_index.numel() else (read_index == sentinel).view(-1, 1, 1)
     pos = _STEP[2]
     return slots, read_index, new, (pos.dtype, pos.stride(), slots.dtype, slots.stride())

@@ -1,24 +1,20 @@
 """How each destination of a call stores its rows: one ``Store`` record per destination.
 
-A call writes four destinations (``DESTINATIONS``): the k pool, the v pool,
-q_out and k_out. Each is described by one ``Store``: its ``format`` (an entry
-of ``FORMATS``), the element it holds, the saturation bound of a quantized
-format and the scale it reads (a float or array, or a per-token-head scale
-cache held weakly). Validation makes the stores (``checks.validate.Call.stores``);
-the plan turns each non-plain one into a feature (``"pool.scaled"``,
-``"q_out.scaled"``, ...) that a backend must declare to be picked
-(``backends.BACKENDS``); the backends read ``store.qmax``, ``store.scale``,
-``store.scale_cache`` instead of per-format fields.
+A call writes four destinations (``DESTINATIONS``): the k pool, the v pool, q_out and k_out. Each is
+described by one ``Store``: its ``format`` (an entry of ``FORMATS``, or the ``NAME`` of a format
+module under formats/), the element it holds, the saturation bound of a quantized format and the
+scale it reads (a float or array, or a per-token-head scale cache held weakly). Validation makes the
+stores (``checks.validate.Call.stores``); the plan turns each non-plain one into a feature
+(``"pool.scaled"``, ``"q_out.scaled"``, ...) that a backend must declare to be picked
+(``backends.BACKENDS``); the backends read ``store.qmax``, ``store.scale``, ``store.scale_cache``
+instead of per-format fields.
 
-Adding a cache format (e.g. fp8_ds_mla rows, NVFP4, MLX's affine 4/8-bit):
-
-1. one entry in ``FORMATS`` below (its name and what it means);
-2. validation makes ``Store(format=<name>, ...)`` for pools of that format
-   (checks/pools.py), with the scale arrays it reads as ``scale`` /
-   ``scale_ref`` (or, for an array of another meaning, a new name in
-   ``plan.EXTRAS``, the one list of the kernels' extra arrays);
-3. the kernel branch in each backend that takes it, and the feature
-   ``"pool.<name>"`` in that backend's ``supports`` (backends/__init__.py).
+A cache format is one module, formats/<name>.py (formats/__init__.py says
+what it names: what it means, the backend rows that write it, its check, its
+oracle rows, its array-op store), plus its pieces of the kernels' stores
+(backends/triton_stores.py) where the Triton row is among its ``BACKENDS``.
+The formats below are the older ones, still checked and written in place by
+checks/pools.py and each backend.
 
 No argument order changes anywhere else: the MLX graph cache is keyed by
 ``plan.Plan.key``, which reads each store's ``key``, and the Triton kernel's
@@ -35,19 +31,6 @@ DESTINATIONS = ("k_pool", "v_pool", "q_out", "k_out")
 FORMATS = {
     "plain": "the rows in the destination's dtype (q's, or a new array of it)",
     "scaled": "row / scale, saturated to +-qmax (fp8 pools and outputs; scale a float, one element or one per head)",
-    "per_token_head": "row * (1 / s) saturated (int8: truncated), s = max(amax(|row|) / qmax, 1e-6) stored in the "
-                      "scale cache at the row's place (vLLM's int8/fp8_per_token_head)",
-    # Block-quantized pools (checks/blocks.py): the pool is the tuple of the engine's arrays, written alike.
-    "nvfp4": "FlashInfer's NVFP4: e2m1 codes two a byte and an e4m3 scale per block of 16, under the global decode "
-             "scale (scale)",
-    "affine": "mx.quantize's affine format (mlx-lm's quantized cache): bits-wide codes in uint32 words, a scale and "
-              "a bias per group of group values",
-    # DeepSeek V3.2's caches (ropepool.checks.dsa; docs/layouts.md): the pool is the caller's whole uint8 cache.
-    "fp8_ds_mla": "kv_c's 512 features as e4m3 in 4 tiles of 128, x / s with s = max(amax / 448, FLT_MIN), then the "
-                  "4 float32 scales, at the start of each 656-byte row (the row's k_pe: the plain k pool, a view)",
-    "indexer": "the key as e4m3 in groups of 128, x / s with s = max(amax, 1e-4) / 448; per page the rows' values, "
-               "then their float32 scales (vLLM's indexer_k_quant_and_cache)",
-    "indexer_ue8m0": "as indexer, each scale rounded up to a power of two (2 ** ceil(log2(s)))",
     "none": "nothing: the call has no such destination (the indexer's key has no value)",
 }
 

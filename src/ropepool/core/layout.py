@@ -13,7 +13,7 @@ tiles, which no 4-D view reaches; split the row into (row // tile, row % tile)
 and the feature likewise and the address is affine again: ``tiled_view`` is
 that 6-D view (torch), ``write_at`` gives any layout's view, index and rows.
 Another tiled layout would be its tiles in ``TILED``, its name in ``KV_LAYOUTS``,
-its feature ``"layout.<name>"`` (plan.build, backends.LAYOUT: the rows that
+its feature ``"layout.<name>"`` (plan.build, support.py: the rows that
 write it: torch through ``write_at``, the Triton kernel through its tile
 constexprs, triton_op._pool_strides) and its offsets in the oracle.
 """
