@@ -155,12 +155,12 @@ class Native:
         self.cfg_by_token = self.bound(values, arrays)
         self.at, self.at_by_token = self.cfg.data_ptr(), self.cfg_by_token.data_ptr()  # (kept alive by self)
         self.table = _table(self.freqs, rot.attention_scaling, 0) if self.own and not self.per_call else _NONE
-        # The layout cache skips its value check of one-token calls (plan/cache.py): the kernel finds a slot past
-        # the pool or a negative position, run raises validation's message. A position past 2^24 (the precision
-        # warning) cannot hide in ropepool's table (fewer rows: run sees it) nor in an engine's of <= 2^24 + 1
-        # rows; per-call cos/sin and no RoPE have no bound, so those runners keep the check.
+        # The layout cache skips its value check of calls this runner takes (plan/cache.py): the kernel finds a
+        # slot past the pool or twice and a negative position, run raises validation's message. A position past
+        # 2^24 (the precision warning) cannot hide in ropepool's table (fewer rows: run sees it) nor in an
+        # engine's of <= 2^24 + 1 rows; per-call cos/sin and no RoPE have no bound, so those runners keep the check.
         engine = rot.table
-        self.checks_one_token_values = (self.own and not self.per_call) or (
+        self.checks_values = (self.own and not self.per_call) or (
             engine is not None and engine.shape[0] <= _PRECISE_POSITIONS + 1)
 
     @staticmethod
@@ -187,13 +187,17 @@ class Native:
             table = self.per_token(positions)
         elif self.rot.table_ref is not None:  # the engine's table: cos half, then sin half
             table = self.rot.table
+            if table is None:
+                raise RopePoolError("the engine's cos/sin table of this rotation (a CosSinCache held weakly) was "
+                                    "freed; nothing was written. Fix: keep the table alive while layers that were "
+                                    "given it run (vLLM's rotary op holds its cos_sin_cache).")
         done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)
         if done == _OTHER_LAYOUT:
             raise OtherLayout("the CPU kernel was handed arrays of another layout than the one it was bound to; "
                               "nothing was written. Fix: report it (a bug of ropepool's), with the call's shapes and "
                               "strides.")
         if done > 0 and self.own:  # positions past ropepool's table (nothing written): grow it, or per call
-            if done > _PRECISE_POSITIONS + 1 and q.shape[0] == 1:  # not value-checked by the cache: its warning
+            if done > _PRECISE_POSITIONS + 1:  # not value-checked by the cache: its warning
                 check_host_values(self.call, positions, slots)
             grown = _table(self.freqs, self.rot.attention_scaling, done - 1)
             if grown is None:

@@ -268,7 +268,7 @@ void bind(TensorView q, TensorView k, TensorView v, TensorView positions, Tensor
   TVM_FFI_CHECK(signatures(xs, cfg + LAYOUTS), ValueError) << "arrays of at most " << MAX_NDIM << " dims";
 }
 
-// Returns 0 (done), -1 (a slot past the pool or a negative position: nothing written), -2 (the arrays are not laid
+// Returns 0 (done), -1 (a slot past the pool or twice, or a negative position: nothing written), -2 (the arrays are not laid
 // out as those bound: nothing read or written) or n > 0 (the table needs rows for positions < n: nothing written).
 // cfg_address: the address of the binding's int64 cfg.
 int64_t rope_pool(TensorView q, TensorView k, TensorView v, TensorView positions, TensorView slots,

@@ -10,8 +10,10 @@
 // Nothing is written before every slot and position is checked (``run`` validates all tokens first).
 #pragma once
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace ropepool {
 
@@ -136,8 +138,8 @@ struct Args {
   Weight q_weight, k_weight;
 };
 
-// What ``run`` returns: 0 done; BAD_VALUE a slot past the pool or a negative position (nothing written; the
-// binding raises the validation's message); n > 0: the tables need rows for positions < n (nothing written).
+// What ``run`` returns: 0 done; BAD_VALUE a slot past the pool or twice, or a negative position (nothing written;
+// the binding raises the validation's message); n > 0: the tables need rows for positions < n (nothing written).
 constexpr int64_t BAD_VALUE = -1;
 
 
@@ -323,8 +325,29 @@ ROPEPOOL_INLINE void table_row(const Table& tb, const Args& a, int64_t t, const 
   (void)t;
 }
 
+// No slot >= 0 twice (validation's rule, checks/values.py): pairs compared up to 64 tokens, sorted past that.
+static inline bool unique_slots(const Args& a) {
+  if (a.T <= 64) {
+    for (int64_t t = 1; t < a.T; ++t) {
+      const int64_t s = index_at(a.slots, a.slot_kind, t * a.slot_s);
+      for (int64_t u = 0; s >= 0 && u < t; ++u)
+        if (index_at(a.slots, a.slot_kind, u * a.slot_s) == s) return false;
+    }
+    return true;
+  }
+  std::vector<int64_t> used;
+  used.reserve(static_cast<size_t>(a.T));
+  for (int64_t t = 0; t < a.T; ++t) {
+    const int64_t s = index_at(a.slots, a.slot_kind, t * a.slot_s);
+    if (s >= 0) used.push_back(s);
+  }
+  std::sort(used.begin(), used.end());
+  return std::adjacent_find(used.begin(), used.end()) == used.end();
+}
+
 ROPEPOOL_INLINE int64_t run_body(const Args& a) {
   const int64_t pool_size = a.k_pool.pages * a.k_pool.page_size;
+  if (!unique_slots(a)) return BAD_VALUE;
   int64_t top = -1;
   for (int64_t t = 0; t < a.T; ++t) {  // every value checked before anything is written
     if (index_at(a.slots, a.slot_kind, t * a.slot_s) >= pool_size) return BAD_VALUE;
