@@ -151,3 +151,38 @@ def test_autograd_goes_to_the_general_code():
     with paths.counting() as seen:
         q_rot, *_ = call(*arrays)
     assert seen[CALL] == 0 and q_rot.requires_grad
+
+
+def test_transformers_layer_in_another_layout():
+    """transformers' bound layer call (integrations/transformers/attention.py run_layer) given q, k, v of other
+    strides after its first call: the bits of a first call of that layout (the kernel's runner raised OtherLayout,
+    nothing done, and the call was checked in full)."""
+    from ropepool.integrations.transformers import attention, paged
+    from ropepool.integrations.transformers.model import Layer
+
+    layer = Layer(0, ropepool.RopeSpec(head_dim=D), None, None)
+
+    def run(q, k, v, pools):
+        kv = paged.LayerKV(*pools, torch.tensor([3, 9]), torch.tensor([4, 7]), torch.empty(0, dtype=torch.int64),
+                           None, ("step",), 9)
+        return attention.run_layer(layer, q, k, v, kv)
+
+    def fresh(T):
+        a = make(T=T, dtype=torch.float32, seed=T)
+        return a[:3], a[5:7]
+
+    (q, k, v), pools = fresh(2)
+    run(q, k, v, pools)
+    (q, k, v), pools = fresh(2)
+    qkv = torch.cat([x.reshape(2, -1) for x in (q, k, v)], 1)  # the same values, other token strides
+    views = [x.view(2, -1, D) for x in qkv.split([Hq * D, Hkv * D, Hkv * D], 1)]
+    want_pools = [x.clone() for x in pools]
+    attention._BOUND.clear()
+    plan.forget()
+    want = run(*views, want_pools)
+    (q, k, v), pools = fresh(2)
+    attention._BOUND.clear()
+    plan.forget()
+    run(q, k, v, pools)  # bound to contiguous q, k, v
+    same_bits(run(*views, pools), want)
+    same_bits(pools, want_pools)
