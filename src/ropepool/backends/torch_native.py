@@ -61,6 +61,17 @@ def drop_tables() -> None:
     _table_bytes[0] = 0
 
 
+def cos_sin_rows(freqs, scaling: float, start: int, stop: int):
+    """float32 ``[stop - start, sets * rotary_dim]``: for positions start..stop-1, per frequency set (``freqs``:
+    float32 ``[sets, rotary_dim // 2]``) its cos then its sin columns, as torch_eager computes them
+    (arraymath.cos_sin): float32(p) * inv_freq32, torch's float32 cos and sin, then the attention scaling."""
+    ang = torch.arange(start, stop).view(-1, 1, 1) * freqs.view(1, *freqs.shape)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return torch.cat((cos, sin), 2).flatten(1)
+
+
 def _table(freqs, scaling: float, top: int):
     """The rotation's table, rows for positions up to at least ``top``; None past the bound (computed per call)."""
     key = (freqs.numpy().tobytes(), scaling)
@@ -72,12 +83,7 @@ def _table(freqs, scaling: float, top: int):
         return have
     if top >= _TABLE_POSITIONS:
         return None
-    # As torch_eager (arraymath.cos_sin): float32(p) * inv_freq32, torch's float32 cos and sin, then the scaling.
-    ang = torch.arange(n, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK).view(-1, 1, 1) * freqs.view(1, *freqs.shape)
-    cos, sin = torch.cos(ang), torch.sin(ang)
-    if scaling != 1.0:
-        cos, sin = cos * scaling, sin * scaling
-    new = torch.cat((cos, sin), 2).flatten(1)  # [positions, sets * (cos, sin)]
+    new = cos_sin_rows(freqs, scaling, n, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK)
     old = 0 if have is None else have.nbytes
     if old + new.nbytes > _TABLE_BYTES:  # more than the bound alone
         return None
