@@ -271,10 +271,10 @@ def test_bad_values_raise_before_any_write(bad, rng, calls):
 
 
 @pytest.mark.parametrize("rope", ["plain", "table"])
-def test_one_token_hits_leave_values_to_the_kernel(rope, rng, calls, monkeypatch):
-    """On a layout cache hit of one token the Python value check is skipped (the kernel checks): bad values still
-    raise validation's message with every pool byte kept, a position past 2^24 still warns; several tokens are
-    still checked in Python (no slot twice)."""
+def test_hits_leave_values_to_the_kernel(rope, rng, calls, monkeypatch):
+    """On a layout cache hit the Python value check is skipped (the kernel checks): bad values still raise
+    validation's message with every pool byte kept, a position past 2^24 still warns, a slot twice among several
+    tokens is refused."""
     Hq, Hkv, D, P = 2, 2, 64, 16
     kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, rope=X.rope(ROPES[rope](D)))
     q, k, v = fused_qkv(rng, 1, Hq, Hkv, D, "bfloat16")
@@ -296,10 +296,17 @@ def test_one_token_hits_leave_values_to_the_kernel(rope, rng, calls, monkeypatch
     if rope == "plain":
         with pytest.warns(RuntimeWarning, match=r"^positions above 2\^24 = 16777216 \(the largest given: 20000000\)"):
             ropepool.rope_pool_fused(q, k, v, torch.tensor([20_000_000]), torch.tensor([6]), kp, vp, **kw)
-    q2, k2, v2 = fused_qkv(rng, 2, Hq, Hkv, D, "bfloat16")
-    with pytest.raises(RopePoolError, match="slots must be unique"):
-        ropepool.rope_pool_fused(q2, k2, v2, torch.tensor([1, 2]), torch.tensor([6, 6]), kp, vp, **kw)
-    assert checked[-1] == 2
+    assert checked == []
+    for T in (3, 70):  # (pairs compared, then sorted)
+        q2, k2, v2 = fused_qkv(rng, T, Hq, Hkv, D, "bfloat16")  # (another token stride: a layout of its own)
+        ropepool.rope_pool_fused(q2, k2, v2, torch.arange(T), -torch.ones(T, dtype=torch.int64), kp, vp, **kw)
+        slots = torch.full((T,), -1)
+        slots[T // 2], slots[-1] = 6, 6
+        before, checked[:] = [x.clone() for x in (kp, vp)], []
+        with pytest.raises(RopePoolError, match="slots must be unique"):
+            ropepool.rope_pool_fused(q2, k2, v2, torch.arange(T), slots, kp, vp, **kw)
+        _same_bits(before, (kp, vp))
+        assert checked == [], "the hit's values left to the kernel"
 
 
 def test_tables_grow_and_past_their_bound(monkeypatch, rng, calls):

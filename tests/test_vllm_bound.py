@@ -86,7 +86,7 @@ def test_values_are_checked_on_bound_calls(checked):
     """Broken on purpose (no value check on a bound call): the slot past the pool was skipped, not refused."""
     calls, _ = checked
     gen = torch.Generator().manual_seed(8)
-    rope, _ = tables(gen)
+    rope, table = tables(gen)  # (held here: the CosSinCache holds it weakly)
     kv = cache(gen, torch.float32)
     holder = types.SimpleNamespace()
     q, k, v, pos, slots = inputs(gen, torch.float32, 4)
@@ -161,3 +161,21 @@ def test_what_the_runner_may_not_take_is_checked(checked):
         with pytest.raises(ropepool.RopePoolError, match=what):
             rv.layer_rope_and_cache(holder, *args[:4], kv_c, args[4], layout="cpu", rope=rope)
         assert_same_bits("the cache after a refused call", kv_c, kv_c0)
+
+
+def test_freed_table_refused(checked):
+    """The engine's table freed after the runner was bound (the CosSinCache holds it weakly): refused, nothing
+    written."""
+    gen = torch.Generator().manual_seed(12)
+    rope, table = tables(gen)
+    kv = cache(gen, torch.float32)
+    holder = types.SimpleNamespace()
+    q, k, v, pos, slots = inputs(gen, torch.float32, 3)
+    rv.layer_rope_and_cache(holder, q, k, v, pos, kv, slots, layout="cpu", rope=rope)
+    del table
+    q, k, v, pos, slots = inputs(gen, torch.float32, 3)
+    q0, kv0 = q.clone(), kv.clone()
+    with pytest.raises(ropepool.RopePoolError, match="table of this rotation .* was freed"):
+        rv.layer_rope_and_cache(holder, q, k, v, pos, kv, slots, layout="cpu", rope=rope)
+    assert_same_bits("q after a refused call", q, q0)
+    assert_same_bits("kv_cache after a refused call", kv, kv0)

@@ -6,6 +6,7 @@ from typing import Any
 from . import plan
 from .checks import dsa, validate
 from .checks.blocks import first_array, parts_layout
+from .errors import OtherLayout
 
 Array = Any  # a torch.Tensor or an mx.array
 
@@ -121,6 +122,11 @@ def rope_pool_fused(q: Array, k: Array, v: Array, positions: Array, slots: Array
         seen = arrays[:5] + (first_array(k_pool), first_array(v_pool)) + arrays[7:]
         scalars += (parts_layout(k_pool, v_pool),)
     run = plan.lookup(scalars, seen)
+    if run is not None:
+        try:
+            return run(*arrays)
+        except OtherLayout:  # a runner found by the key alone, whose kernel saw another layout: nothing done
+            run = plan.lookup(scalars, seen, fast=False)
     if run is None:
         run = _runner(scalars, seen, arrays, q, backend, validate.check(
             q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim, num_qo_heads=num_qo_heads,
@@ -174,12 +180,17 @@ def rope_latent_fused(q_pe: Array, k_pe: Array, kv_c: Array, positions: Array, s
     if cache_format is not None:  # one [..., 656] cache: the call's kpe cache is a view of its k_pe part
         kpe_cache = dsa.ds_mla_kpe("rope_latent_fused", cache_format, ckv_cache, kpe_cache, kv_c, k_pe, scale)
         arrays = given[:5] + (kpe_cache,) + given[6:]
-    run = plan.lookup(scalars, given)
+    run, out = plan.lookup(scalars, given), None
+    if run is not None:
+        try:
+            out = run(*arrays)
+        except OtherLayout:  # as rope_pool_fused's
+            run = plan.lookup(scalars, given, fast=False)
     if run is None:
         run = _runner(scalars, given, arrays, q_pe, backend, validate.check_latent(
             q_pe, k_pe, kv_c, positions, slots, ckv_cache, kpe_cache, rope=rope, kv_layout=kv_layout, layer=layer,
             scale=scale, q_pe_out=q_pe_out, cache_format=cache_format))
-    q_rot, k_rot, kpe, ckv = run(*arrays)
+    q_rot, k_rot, kpe, ckv = run(*arrays) if out is None else out
     return q_rot, k_rot, ckv, given[5] if cache_format is not None else kpe
 
 

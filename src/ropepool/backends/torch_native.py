@@ -30,7 +30,7 @@ from .. import native
 from ..checks.validate import check_host_values
 from ..checks.values import _PRECISE_POSITIONS, check_values
 from ..core.layout import KV_LAYOUTS
-from ..errors import RopePoolError
+from ..errors import OtherLayout, RopePoolError
 from . import arraymath, paths
 from .torch_arrays import TorchOps, extras
 
@@ -41,6 +41,7 @@ CFG = ("rotary_dim", "gptj", "long_from", "by_token", "layer", "kv_layout", "hea
     "norm", "norm_eps", "norm_offset", "q_weighted", "k_weighted")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAX_DIM = 2048  # rope_kernel.h MAX_DIM
+_OTHER_LAYOUT = -2  # rope_ffi.cc OTHER_LAYOUT: the arrays are not laid out as those bound (nothing done)
 # Tables cover positions below this (64 MB a rotation at rotary_dim 128), grown in chunks; past it, per call.
 _TABLE_POSITIONS, _TABLE_CHUNK = 1 << 17, 1 << 12
 # (frequencies' bytes, attention scaling) -> float32 [positions, sets * rotary_dim]: per frequency set its cos
@@ -60,6 +61,17 @@ def drop_tables() -> None:
     _table_bytes[0] = 0
 
 
+def cos_sin_rows(freqs, scaling: float, start: int, stop: int):
+    """float32 ``[stop - start, sets * rotary_dim]``: for positions start..stop-1, per frequency set (``freqs``:
+    float32 ``[sets, rotary_dim // 2]``) its cos then its sin columns, as torch_eager computes them
+    (arraymath.cos_sin): float32(p) * inv_freq32, torch's float32 cos and sin, then the attention scaling."""
+    ang = torch.arange(start, stop).view(-1, 1, 1) * freqs.view(1, *freqs.shape)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return torch.cat((cos, sin), 2).flatten(1)
+
+
 def _table(freqs, scaling: float, top: int):
     """The rotation's table, rows for positions up to at least ``top``; None past the bound (computed per call)."""
     key = (freqs.numpy().tobytes(), scaling)
@@ -71,12 +83,7 @@ def _table(freqs, scaling: float, top: int):
         return have
     if top >= _TABLE_POSITIONS:
         return None
-    # As torch_eager (arraymath.cos_sin): float32(p) * inv_freq32, torch's float32 cos and sin, then the scaling.
-    ang = torch.arange(n, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK).view(-1, 1, 1) * freqs.view(1, *freqs.shape)
-    cos, sin = torch.cos(ang), torch.sin(ang)
-    if scaling != 1.0:
-        cos, sin = cos * scaling, sin * scaling
-    new = torch.cat((cos, sin), 2).flatten(1)  # [positions, sets * (cos, sin)]
+    new = cos_sin_rows(freqs, scaling, n, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK)
     old = 0 if have is None else have.nbytes
     if old + new.nbytes > _TABLE_BYTES:  # more than the bound alone
         return None
@@ -95,9 +102,8 @@ class Prepared:
         self.plan, self.fallback = plan, fallback
 
     def bind(self, *arrays):
-        general = self.fallback.bind(*arrays)
         if native.kernel() is None or max(a.shape[-1] for a in arrays[:3]) > _MAX_DIM:
-            return general
+            return self.fallback.bind(*arrays)
         return Native(self.plan, arrays).run
 
 
@@ -110,7 +116,11 @@ _NONE = torch.zeros(1, 1)  # no table (a layer without RoPE): the kernel does no
 
 
 class Native:
-    """The runner of one plan and layout."""
+    """The runner of one plan and layout. The kernel compares every call's arrays with the layout it was bound to
+    (``checks_layout``) and raises ``OtherLayout`` for another one, before it reads or writes anything: the layout
+    cache may hand it a call by its key alone (plan/cache.py)."""
+
+    checks_layout = True
 
     def __init__(self, plan, arrays):
         call, rot, st = plan.call, plan.call.rotation, plan.stores
@@ -146,17 +156,29 @@ class Native:
             if store.qmax:
                 values.update({f"{d}_scale_ptr": x.data_ptr(), f"{d}_scale_n": x.numel(),
                                f"{d}_scale_stride": x.stride(0), f"{d}_qmax": store.qmax})
-        self.cfg = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
+        self.cfg = self.bound(values, arrays)
         values.update(by_token=1, long_from=-1)  # cos/sin per call: arraymath's, longrope's set chosen there
-        self.cfg_by_token = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
+        self.cfg_by_token = self.bound(values, arrays)
+        self.at, self.at_by_token = self.cfg.data_ptr(), self.cfg_by_token.data_ptr()  # (kept alive by self)
         self.table = _table(self.freqs, rot.attention_scaling, 0) if self.own and not self.per_call else _NONE
-        # The layout cache skips its value check of one-token calls (plan/cache.py): the kernel finds a slot past
-        # the pool or a negative position, run raises validation's message. A position past 2^24 (the precision
-        # warning) cannot hide in ropepool's table (fewer rows: run sees it) nor in an engine's of <= 2^24 + 1
-        # rows; per-call cos/sin and no RoPE have no bound, so those runners keep the check.
+        # The layout cache skips its value check of calls this runner takes (plan/cache.py): the kernel finds a
+        # slot past the pool or twice and a negative position, run raises validation's message. A position past
+        # 2^24 (the precision warning) cannot hide in ropepool's table (fewer rows: run sees it) nor in an
+        # engine's of <= 2^24 + 1 rows; per-call cos/sin and no RoPE have no bound, so those runners keep the check.
         engine = rot.table
-        self.checks_one_token_values = (self.own and not self.per_call) or (
+        self.checks_values = (self.own and not self.per_call) or (
             engine is not None and engine.shape[0] <= _PRECISE_POSITIONS + 1)
+
+    @staticmethod
+    def bound(values, arrays):
+        """cfg: ``values`` in CFG's order, then the layout of ``arrays`` (the call's) as the kernel records it."""
+        kernel = native.kernel()
+        cfg = torch.zeros(kernel.cfg_size(), dtype=torch.int64)
+        cfg[:len(CFG)] = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
+        outs = [torch.empty_like(x, memory_format=_DENSE) if out is None else out for x, out in zip(arrays[:2],
+                                                                                                      arrays[7:9])]
+        kernel.bind(*arrays[:7], *outs, cfg.data_ptr())  # q_rot / k_rot as run makes them
+        return cfg
 
     def per_token(self, positions):
         """cos | sin ``[T, rotary_dim]`` for this call, as torch_eager computes them."""
@@ -166,18 +188,26 @@ class Native:
         # (empty_like: ~1.4 us where torch.empty(shape, dtype=) costs ~3)
         q_rot = torch.empty_like(q, memory_format=_DENSE) if q_out is None else q_out
         k_rot = torch.empty_like(k, memory_format=_DENSE) if k_out is None else k_out
-        cfg, table = self.cfg, self.table
+        cfg, table = self.at, self.table
         if self.per_call:
             table = self.per_token(positions)
         elif self.rot.table_ref is not None:  # the engine's table: cos half, then sin half
             table = self.rot.table
+            if table is None:
+                raise RopePoolError("the engine's cos/sin table of this rotation (a CosSinCache held weakly) was "
+                                    "freed; nothing was written. Fix: keep the table alive while layers that were "
+                                    "given it run (vLLM's rotary op holds its cos_sin_cache).")
         done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)
+        if done == _OTHER_LAYOUT:
+            raise OtherLayout("the CPU kernel was handed arrays of another layout than the one it was bound to; "
+                              "nothing was written. Fix: report it (a bug of ropepool's), with the call's shapes and "
+                              "strides.")
         if done > 0 and self.own:  # positions past ropepool's table (nothing written): grow it, or per call
-            if done > _PRECISE_POSITIONS + 1 and q.shape[0] == 1:  # not value-checked by the cache: its warning
+            if done > _PRECISE_POSITIONS + 1:  # not value-checked by the cache: its warning
                 check_host_values(self.call, positions, slots)
             grown = _table(self.freqs, self.rot.attention_scaling, done - 1)
             if grown is None:
-                table, cfg = self.per_token(positions), self.cfg_by_token
+                table, cfg = self.per_token(positions), self.at_by_token
             else:
                 table = self.table = grown
             done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)

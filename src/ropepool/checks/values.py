@@ -1,8 +1,8 @@
 """Slot and position values: checked where that costs no device synchronisation.
 
-On CPU tensors and MLX arrays every call checks them (a one-token call that
-the CPU kernel runs is checked by the kernel, which raises through this
-module's messages: plan/cache.py); on CUDA only ``validate_slots``, called
+On CPU tensors and MLX arrays every call checks them (a call that the CPU
+kernel runs after its layout's first is checked by the kernel, which raises
+through this module's messages: plan/cache.py); on CUDA only ``validate_slots``, called
 explicitly, does (the kernel never writes outside the pool whatever they hold).
 """
 from __future__ import annotations

@@ -222,8 +222,9 @@ def first_call(recs: Records) -> str:
 @block("vllm-step")
 def vllm_step(recs: Records) -> str:
     """vLLM's decode step on its CPU build with ropepool's plugin and without (benchmarks/vllm_step.py),
-    from the newest ``*-vllm-step*.json`` record."""
-    runs = recs.others("*-vllm-step*.json")
+    from the ``*-vllm-step*.json`` record of the newest code (records in the order of the code they measured, as
+    the first-call block's)."""
+    runs = sorted(recs.others("*-vllm-step*.json"), key=lambda run: run[0].order)
     if not runs:
         return "vLLM's decode step: not recorded."
     rec, d = runs[-1]

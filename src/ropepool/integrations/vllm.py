@@ -31,7 +31,7 @@ import torch
 from .. import plan
 from ..api import rope_pool_fused
 from ..checks import validate
-from ..errors import RopePoolError
+from ..errors import OtherLayout, RopePoolError
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache
 
@@ -187,6 +187,12 @@ def _layout(x) -> tuple:
     return type(x), x.dtype, x.device, x.requires_grad, x.shape[1:], x.stride()
 
 
+def _shape(q, k, v, pos, slots, layout) -> tuple:
+    """The layout a bound runner that does not compare its own was bound to (``layer_rope_and_cache``)."""
+    return (_layout(q), _layout(k), _layout(v), _layout(slots), type(pos), pos.dtype, pos.device, pos.requires_grad,
+            pos.shape[:-1], pos.stride(), layout)
+
+
 def layer_rope_and_cache(holder, query, key, value, positions, kv_cache, slot_mapping, *, layout: str, rope,
                          qk_norm=None) -> None:
     """``rope_and_cache`` of an engine layer's own calls (its cache in the model's dtype, q and k rotated in place)
@@ -197,24 +203,34 @@ def layer_rope_and_cache(holder, query, key, value, positions, kv_cache, slot_ma
     compares (each array's type, dtype, device, autograd, sizes but the token count, strides; the pools are the
     views bound, of the very ``kv_cache``; the same ``rope`` and ``qk_norm`` objects, the scalars of its key),
     the token counts, and checks the slot and position values as the lookup does; anything else goes through
-    ``rope_pool_fused`` in full (and is bound anew)."""
+    ``rope_pool_fused`` in full (and is bound anew). The CPU kernel's runner compares the layout, the token counts
+    and the values itself (``OtherLayout``: nothing done, checked in full here): only what it cannot see (types,
+    autograd) is compared in Python."""
     n = slot_mapping.shape[0]
     # (views of the first n rows only where the engine padded: four slices cost ~6 us, a quarter of a CPU call)
     if query.shape[0] == key.shape[0] == value.shape[0] == positions.shape[-1] == n:
         q, k, v, pos = query, key, value, positions
     else:
         q, k, v, pos = query[:n], key[:n], value[:n], positions[..., :n]
-    shape = (_layout(q), _layout(k), _layout(v), _layout(slot_mapping), type(pos), pos.dtype, pos.device,
-             pos.requires_grad, pos.shape[:-1], pos.stride(), layout)
     bound = getattr(holder, "_ropepool_bound", None)
-    if bound is not None and bound[0] == shape and bound[1] is kv_cache and bound[2] is rope and \
-            bound[3] is qk_norm and q.shape[0] == k.shape[0] == v.shape[0] == pos.shape[-1] == n and \
+    if bound is not None and bound[1] is kv_cache and bound[2] is rope and bound[3] is qk_norm and \
             not torch.compiler.is_compiling():
-        run, values, k_cache, v_cache = bound[4:]
-        if values is not None:
-            validate.check_host_values(values, pos, slot_mapping)
-        run(q, k, v, pos, slot_mapping, k_cache, v_cache, q, k)
-        return
+        run, values, k_cache, v_cache = bound[4:8]
+        if bound[0] is None:  # the runner compares the layout and checks the values itself (the CPU kernel)
+            T = torch.Tensor
+            if type(q) is T and type(k) is T and type(v) is T and type(pos) is T and type(slot_mapping) is T and \
+                    not (q.requires_grad or k.requires_grad or v.requires_grad) and bound[8] == layout:
+                try:
+                    run(q, k, v, pos, slot_mapping, k_cache, v_cache, q, k)
+                    return
+                except OtherLayout:  # nothing done: checked in full below
+                    pass
+        elif bound[0] == _shape(q, k, v, pos, slot_mapping, layout) and \
+                q.shape[0] == k.shape[0] == v.shape[0] == pos.shape[-1] == n:
+            if values is not None:
+                validate.check_host_values(values, pos, slot_mapping)
+            run(q, k, v, pos, slot_mapping, k_cache, v_cache, q, k)
+            return
     rope_and_cache(query, key, value, positions, None, None, kv_cache, slot_mapping, layout=layout, qk_norm=qk_norm,
                    rope=rope)
     # The runner that call remembered, found as rope_pool_fused finds it (None where the layout cache keeps none:
@@ -224,7 +240,13 @@ def layer_rope_and_cache(holder, query, key, value, positions, kv_cache, slot_ma
     scalars = plan.pool_key(d, q.shape[1], k.shape[1], 10000.0, rope, None, None, None, KV_LAYOUT.get(layout, "NHD"),
                             q, k, None, qk_norm, None, None, None, None, q, k)
     hit = plan.entry(scalars, (q, k, v, pos, slot_mapping, k_cache, v_cache, q, k))
-    holder._ropepool_bound = None if hit is None else (shape, kv_cache, rope, qk_norm, *hit, k_cache, v_cache)
+    if hit is None:
+        holder._ropepool_bound = None
+        return
+    # A runner that compares its layout and checks the values (backends/torch_native.py) needs no Python layout
+    self_checked = getattr(getattr(hit[0], "__self__", None), "checks_layout", False) and hit[1] is None
+    holder._ropepool_bound = (None if self_checked else _shape(q, k, v, pos, slot_mapping, layout), kv_cache, rope,
+                              qk_norm, *hit, k_cache, v_cache, layout)
 
 
 # --- the vLLM plugin -----------------------------------------------------------------------------------

@@ -247,16 +247,17 @@ def _rope(table, is_neox):
     return table if isinstance(table, (CosSinCache, RopeSpec)) else _table(table, is_neox)
 
 
-def _count(name: str, route: str, q, k, norm: str) -> None:
-    """With ROPEPOOL_VLLM_CALLS=path, one line per layer call: pid, tp rank, layer, route, tokens, heads, and
-    who normalised q and k since the last layer (``ropepool``: in this call; ``vllm``: vLLM's norm op; ``-``)."""
+def _count(name: str, route: str, q, k, norm: str, n: int | None = None) -> None:
+    """With ROPEPOOL_VLLM_CALLS=path, one line per layer call: pid, tp rank, layer, route, tokens (q's, or ``n``),
+    heads, and who normalised q and k since the last layer (``ropepool``: in this call; ``vllm``: vLLM's norm op;
+    ``-``)."""
     path = os.environ.get("ROPEPOOL_VLLM_CALLS")
     if path:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         with open(path, "a") as f:
-            f.write(f"{os.getpid()} {get_tensor_model_parallel_rank()} {name} {route} {q.shape[0]} "
-                    f"{q.shape[1]} {k.shape[1]} {norm}\n")
+            f.write(f"{os.getpid()} {get_tensor_model_parallel_rank()} {name} {route} "
+                    f"{q.shape[0] if n is None else n} {q.shape[1]} {k.shape[1]} {norm}\n")
 
 
 def _qk_norm(impl, norms) -> QKNorm | None:
@@ -289,13 +290,13 @@ def route_write(impl, layer, pending, vllm_norm, query, key, value, kv_cache, sl
     n = slots.shape[0]
     if pending is None:
         vllm_write(layer, key, value, kv_cache, slots)
-        _count(layer.layer_name, "vllm", query[:n], key, vllm_norm)
+        _count(layer.layer_name, "vllm", query, key, vllm_norm, n)
         return
     _, positions, table, is_neox, norms, _ = pending
     qk_norm = _qk_norm(impl, norms)
     layer_rope_and_cache(impl, query, key, value, positions, kv_cache, slots, layout=impl.ropepool_layout(layer),
                          rope=_rope(table, is_neox), qk_norm=qk_norm)
-    _count(layer.layer_name, "ropepool", query[:n], key, vllm_norm if qk_norm is None else "ropepool")
+    _count(layer.layer_name, "ropepool", query, key, vllm_norm if qk_norm is None else "ropepool", n)
 
 
 class CPUImpl(CPUAttentionBackendImpl):

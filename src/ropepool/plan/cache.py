@@ -7,6 +7,12 @@ sizes (except the token count) and strides, compared in one C++ call
 (dynamo's ``TensorGuards``; where a torch has none, the same facts as one
 tuple compared in Python, ``LayoutGuard``). Nothing here imports torch unless the call's arrays are torch tensors.
 
+A runner that compares the layout itself (``checks_layout``: the native CPU kernel's, which compares dtypes,
+devices, sizes but the token count and strides before it reads or writes anything, and raises
+``errors.OtherLayout`` for any other layout) is found by the key alone where nothing else needs checking here
+(``_FAST``: plain tensors, no autograd on q, k, v, slot and position values the kernel checks); the caller then
+catches ``OtherLayout`` and looks up again with the guards (``lookup(..., fast=False)``).
+
 Bounds (both layout caches): at most ``_MAX_KEYS`` keys of scalar arguments,
 each with at most 8 torch layouts, and at most ``_MAX_BYTES`` of the small
 caller arrays a key holds (scales, norm weights; past either bound all is
@@ -66,7 +72,9 @@ def indexer_key(rope, scale_fmt, quant_block_size, kv_layout, layer, q_out, back
 
 # --- the torch layout cache --------------------------------------------------------------------
 
-_SEEN: dict = {}  # (scalars, their types) -> [(guard, runner, call to value-check or None, the same at T = 1)]
+_SEEN: dict = {}  # (scalars, their types) -> [(guard, runner, call to value-check or None, whether it may go to
+#                                              _FAST)]
+_FAST: dict = {}  # the same key -> the last runner that checks its layout and the values
 _MAX_KEYS = 4096
 _MAX_BYTES = 64 << 20  # of caller arrays held in keys (scales, norm weights): a few KB each in practice
 _held = [0]  # bytes of caller arrays the keys of both caches hold
@@ -74,13 +82,19 @@ _compiling = None  # torch.compiler.is_compiling, once a torch call is remembere
 _Tensor = None  # torch.Tensor, from then on
 
 
-def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
+def lookup(scalars: tuple, arrays: tuple, fast: bool = True) -> Callable | None:
     """The runner of an earlier call with these scalars and this tensor layout, or None.
 
     ``arrays``: q, k, v, positions, slots, k_pool, v_pool, q_out, k_out.
     Scalars equal but of another type (``layer=True`` after ``layer=1``)
-    are another key: they must be rejected by a full check.
+    are another key: they must be rejected by a full check. ``fast``: a runner
+    that checks its own layout may come by the key alone (the caller catches
+    ``OtherLayout`` and looks up again with ``fast=False``).
     """
+    if fast and _FAST:
+        run = _fast(scalars, arrays)
+        if run is not None:
+            return run
     hit = entry(scalars, arrays)
     if hit is not None:
         run, values = hit
@@ -89,6 +103,24 @@ def lookup(scalars: tuple, arrays: tuple) -> Callable | None:
         return run
     # MLX arrays with a torch call's scalars (one process running both)
     return _lookup_mlx(scalars, arrays) if _SEEN_MLX else None
+
+
+def _fast(scalars: tuple, arrays: tuple) -> Callable | None:
+    """The ``_FAST`` runner of this key where the call leaves the kernel all to check: plain tensors (the kernel
+    sees no Python type), q, k, v without autograd (which picks another backend)."""
+    if _compiling():
+        return None
+    try:
+        run = _FAST.get((scalars, tuple(map(type, scalars))))
+    except TypeError:
+        return None
+    T = _Tensor
+    q, k, v, positions, slots, k_pool, v_pool, q_out, k_out = arrays
+    if run is not None and type(q) is T and type(k) is T and type(v) is T and type(positions) is T and \
+            type(slots) is T and type(k_pool) is T and type(v_pool) is T and (q_out is None or type(q_out) is T) and \
+            (k_out is None or type(k_out) is T) and not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return run
+    return None
 
 
 def entry(scalars: tuple, arrays: tuple) -> tuple | None:
@@ -114,10 +146,12 @@ def entry(scalars: tuple, arrays: tuple) -> tuple | None:
                 return None
         except (AttributeError, IndexError, TypeError):  # not arrays: a full check says what is wrong
             return None
-        for guard, run, values, one_token in entries:
+        for guard, run, values, fast in entries:
             # The same memory for both pools is the one thing a layout cannot show.
             if guard.check(*tensors) and (not whole or k_pool.data_ptr() != v_pool.data_ptr()):
-                return run, one_token if T == 1 else values
+                if fast:  # this layout's runner is the one a key-only lookup tries first from now on
+                    _FAST[scalars, tuple(map(type, scalars))] = run
+                return run, values
     return None
 
 
@@ -145,13 +179,18 @@ def remember(scalars: tuple, arrays: tuple, call: validate.Call, run: Callable) 
         return
     if entries is None:
         entries = _store(_SEEN, key, call, [])
-    values = call if call.host_values else None
-    # A runner whose kernel checks a one-token call's slot and position itself, raising validation's message
-    # before any write (backends/torch_native.py), declares it: those calls skip the check here. Several
-    # tokens are still checked here (no slot twice).
-    one_token = None if getattr(getattr(run, "__self__", None), "checks_one_token_values", False) else values
-    entries.append((guard, run, values, one_token))
+    # A runner whose kernel checks the slots and positions itself (in range, no slot twice), raising validation's
+    # message before any write (backends/torch_native.py), declares it: its calls skip the check here.
+    owner = getattr(run, "__self__", None)
+    values = call if call.host_values and not getattr(owner, "checks_values", False) else None
+    # A runner that checks its own layout, bound to plain tensors, needing no value check here: found by the key
+    # alone (_fast) from now on.
+    fast = getattr(owner, "checks_layout", False) and values is None and not call.autograd and \
+        all(type(x) is torch.Tensor for x in tensors)
+    entries.append((guard, run, values, fast))
     del entries[:-8]  # a few layouts per key in practice; never many
+    if fast:
+        _FAST[key] = run
 
 
 def _guarded(arrays: tuple) -> tuple:
@@ -200,6 +239,7 @@ def _array_freed(array_id: int, ref) -> None:
                                             or type(x) is ScaleKey and array_id in x for x in k[0])]:
             _held[0] -= _held_bytes(key[0])
             cache.pop(key, None)
+            _FAST.pop(key, None)
 
 
 def _held_bytes(scalars) -> int:
@@ -248,6 +288,7 @@ def forget() -> None:
     """Drop every remembered layout (after tuning changes, in tests, past the bounds)."""
     _SEEN.clear()
     _SEEN_MLX.clear()
+    _FAST.clear()
     _WATCHED.clear()
     _held[0] = 0
 

@@ -38,7 +38,7 @@ import torch
 from ... import plan
 from ...api import rope_pool_fused
 from ...checks.values import check_values
-from ...errors import RopePoolError
+from ...errors import OtherLayout, RopePoolError
 from . import latent, paged
 from .model import cpu_table
 
@@ -114,17 +114,23 @@ def run_layer(layer, q, k, v, kv) -> tuple:
     the layout cache's lookup (~13 us a call on CPU, measured, against a step of ~35): ``layout`` and the
     step's ``kv.layout`` hold what that lookup's guard compares (dtypes, sizes but the token count, strides of
     every array; the pools are the very views bound, paged.py keeps one per layer and cache), and the slot and
-    position values are checked as the lookup checks them, once per step (values.STEP). On CPU the rotation is
-    the model's cos/sin table (``model.cpu_table``: rows made once, not per layer), the same object until a step
-    reaches past its rows."""
+    position values are checked as the lookup checks them, once per step (values.STEP); the CPU kernel's runner
+    compares the layout and checks the values itself (``OtherLayout``: nothing done, checked in full). On CPU the
+    rotation is the model's cos/sin table (``model.cpu_table``: rows made once, not per layer), the same object
+    until a step reaches past its rows."""
     pos, slots, k_pool, v_pool = kv.positions, kv.slots, kv.k_pool, kv.v_pool
     rope = cpu_table(layer.rope, kv.top) if q.device.type == "cpu" else layer.rope
-    layout = (q.dtype, q.shape[1:], q.stride(), k.dtype, k.shape[1:], k.stride(), v.dtype, v.shape[1:], v.stride(),
-              kv.layout)
     bound = _BOUND.get(layer)
-    if bound is not None and bound[0] == layout and bound[1] is k_pool and bound[2] is v_pool and bound[3] is rope:
-        check_values(pos, slots, k_pool.shape[0])
-        return bound[4](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
+    if bound is not None and bound[1] is k_pool and bound[2] is v_pool and bound[3] is rope:
+        if bound[0] is None:  # the CPU kernel's runner compares the layout and checks the values itself
+            if not (q.requires_grad or k.requires_grad or v.requires_grad):
+                try:
+                    return bound[4](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
+                except OtherLayout:  # nothing done: checked in full below
+                    pass
+        elif bound[0] == _layout(q, k, v, kv):
+            check_values(pos, slots, k_pool.shape[0])
+            return bound[4](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
     keywords = dict(head_dim=q.shape[-1], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=rope,
                     qk_norm=layer.norm, backend=layer.backend)
     q_rot, k_rot, _, _ = rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, **keywords)
@@ -134,8 +140,16 @@ def run_layer(layer, q, k, v, kv) -> tuple:
                             None, None, q, k)
     runner = plan.lookup(scalars, (q, k, v, pos, slots, k_pool, v_pool, None, None))
     if runner is not None and k_pool.dtype == q.dtype and k_pool.data_ptr() != v_pool.data_ptr():
-        _BOUND[layer] = (layout, k_pool, v_pool, rope, runner)
+        owner = getattr(runner, "__self__", None)
+        self_checked = getattr(owner, "checks_layout", False) and getattr(owner, "checks_values", False)
+        _BOUND[layer] = (None if self_checked else _layout(q, k, v, kv), k_pool, v_pool, rope, runner)
     return q_rot, k_rot
+
+
+def _layout(q, k, v, kv) -> tuple:
+    """What the layout cache's guard compares of a layer's call (a bound runner that does not compare its own)."""
+    return (q.dtype, q.shape[1:], q.stride(), k.dtype, k.shape[1:], k.stride(), v.dtype, v.shape[1:], v.stride(),
+            kv.layout)
 
 
 class _Written:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...backends import pick
+from ...backends.torch_native import cos_sin_rows
 from ...errors import RopePoolError
 from ...rotation.norm import QKNorm
 from ...rotation.spec import CosSinCache, RopeSpec
@@ -104,9 +105,7 @@ def cpu_table(spec: RopeSpec, top: int):
     rows = _TABLE_ROWS
     while rows <= top:
         rows *= 2
-    ang = torch.arange(rows, dtype=torch.float32)[:, None] * torch.from_numpy(rot.freqs[0])[None, :]
-    cos, sin = torch.cos(ang), torch.sin(ang)
-    if rot.attention_scaling != 1.0:
-        cos, sin = cos * rot.attention_scaling, sin * rot.attention_scaling
-    table = _TABLES[spec] = CosSinCache(torch.cat((cos, sin), 1), is_neox=not rot.gptj)
+    # (the CPU kernel's own tables' recipe, one frequency set)
+    table = _TABLES[spec] = CosSinCache(cos_sin_rows(torch.from_numpy(rot.freqs[:1]), rot.attention_scaling, 0, rows),
+                                        is_neox=not rot.gptj)
     return table
