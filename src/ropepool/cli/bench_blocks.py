@@ -1,10 +1,11 @@
 """The performance blocks of the docs, one device after another: the GPU (H100 and H200 records), the CPU
 (PyTorch) and MLX.
 
-GPU: one row per op and geometry, from the newest record of either Hopper card (each row names its card). A row gives the op's % of a device copy of its
-bytes at T = 16,384 and 65,536, its µs at T = 1, 16 and 64 under CUDA-graph replay, and each peer's time
-over ropepool's across every T where both ran (below 1.00x the peer was faster). Each figure is the
-median of the runs of the newest code that measured the cell; see ``bench_records`` for what a cell is.
+GPU: one row per op and geometry, from the newest record of either Hopper card (each row names its card). A
+row gives the op's % of a device copy of its bytes at T = 16,384 and 65,536, its µs at T = 1, 16 and 64 under
+CUDA-graph replay, and each peer's time over ropepool's across every T where both ran (below 1.00x the peer
+was faster). Each figure is the median of the runs of the newest code that measured the cell; see
+``bench_records`` for what a cell is.
 
 CPU: ``ropepool bench`` records (process CPU time, one thread): eager PyTorch's time over ropepool's
 per token count and dtype, paired within each run. MLX: ``ropepool bench --framework mlx`` records:

@@ -283,14 +283,15 @@ def headline(recs: Records) -> str:
     used = set()
     plain = b.row(recs, b.OPS[0])  # plain RoPE + KV write, Llama-3-8B heads
     used |= plain.records
-    lines.append(f"| NVIDIA {b.card(plain.records)}, bfloat16 | one call, Llama-3-8B heads (32 q, 8 KV, 128) | {plain.small[0]} µs at "
-                 f"1 token (CUDA graph); {plain.pct[1]} of a device copy's bandwidth at 65,536 tokens | "
+    lines.append(f"| NVIDIA {b.card(plain.records)}, bfloat16 | one call, Llama-3-8B heads (32 q, 8 KV, 128) | "
+                 f"{plain.small[0]} µs at 1 token (CUDA graph); {plain.pct[1]} of a device copy's bandwidth at "
+                 "65,536 tokens | "
                  f"{'; '.join(plain.peers[:1] + plain.peers[-2:])}: their time over ropepool's, over 1-65,536 "
                  "tokens |")
     host, host_used = b.host_cost(recs)
     used |= host_used
-    lines.append(f"| NVIDIA {b.card(host_used)} | the host cost of an eager call from Python, 1-256 tokens | {host} a bare Triton "
-                 "launch in the same process | a bare Triton launch |")
+    lines.append(f"| NVIDIA {b.card(host_used)} | the host cost of an eager call from Python, 1-256 tokens | {host} a "
+                 "bare Triton launch in the same process | a bare Triton launch |")
     for dtype in b.DTYPES:
         rs = {t: b.cpu_ratio(recs, t, dtype) for t in b.CPU_TOKENS}
         rs = {t: r for t, r in rs.items() if r}
