@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import os
 import types
+import weakref
 
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -78,9 +79,9 @@ _norms: dict = {}
 _vllm_norm: list = []
 # id(forward context's layer dict) -> whether every attention layer in it is ropepool's.
 _served: dict = {}
-# [forward context, every attention layer ropepool's, ROPEPOOL_VLLM_CALLS] of the running step, made at its first
-# layer (held until the next step's context replaces it: no later context can be taken for it).
-_step: list = [None, False, None]
+# [weak reference to the forward context, every attention layer ropepool's, ROPEPOOL_VLLM_CALLS] of the running
+# step, made at its first layer (weak: the step's metadata goes when vLLM drops it, not at our next step).
+_step: list = [lambda: None, False, None]
 
 
 def served_here(layer) -> bool:
@@ -100,14 +101,14 @@ def _model_served() -> bool:
     if not is_forward_context_available():
         return False
     ctx = get_forward_context()
-    return (_step if ctx is _step[0] else _new_step(ctx))[1]
+    return (_step if ctx is _step[0]() else _new_step(ctx))[1]
 
 
 def _new_step(ctx) -> list:
     """``_step`` made for the forward context ``ctx`` (once per step; each layer reads it while ``ctx`` is
-    ``_step[0]``)."""
+    ``_step[0]()``)."""
     # a dummy run (no metadata) writes nothing (MLA would not reach its write): vLLM rotates
-    _step[:] = (ctx, ctx.attn_metadata is not None and _layers_served(ctx.no_compile_layers),
+    _step[:] = (weakref.ref(ctx), ctx.attn_metadata is not None and _layers_served(ctx.no_compile_layers),
                 os.environ.get("ROPEPOOL_VLLM_CALLS"))
     return _step
 
@@ -116,7 +117,7 @@ def _calls_path():
     """ROPEPOOL_VLLM_CALLS as the running step read it (outside a step: now)."""
     if is_forward_context_available():
         ctx = get_forward_context()
-        return (_step if ctx is _step[0] else _new_step(ctx))[2]
+        return (_step if ctx is _step[0]() else _new_step(ctx))[2]
     return os.environ.get("ROPEPOOL_VLLM_CALLS")
 
 
@@ -348,7 +349,7 @@ class CPUImpl(CPUAttentionBackendImpl):
             slots = ctx.slot_mapping.get(layer.layer_name)
             if slots is not None:
                 route_write(self, layer, pending, vllm_norm, query, key, value, kv_cache, slots,
-                            self.do_kv_cache_update, (_step if ctx is _step[0] else _new_step(ctx))[2])
+                            self.do_kv_cache_update, (_step if ctx is _step[0]() else _new_step(ctx))[2])
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                output_block_scale)
 
