@@ -127,3 +127,34 @@ def test_moved_query_or_key_raises(route, tmp_path):
         unified_kv_cache_update(k, v, layer.layer_name)
         with pytest.raises(RopePoolError, match="the query given to attention is not the one"):
             layer.impl.forward(layer, q.clone(), k, v, layer.kv_cache, None, torch.empty_like(q))
+
+
+def test_decisions_are_made_again_for_each_step_and_table(route, tmp_path, monkeypatch):
+    """What the route reads once per step (whether every layer is ropepool's, ROPEPOOL_VLLM_CALLS) and once per
+    table and query dtype (the rope= of vLLM's table) is read again for the next step or another dtype: a dummy
+    run's context (no metadata) after a served step has vLLM rotate; the next step counts into the file named
+    then; a bfloat16 query gets vLLM's table cast to bfloat16, then float32 again vLLM's float32 table."""
+    layer, qkv, slots, gen = layer_of(route, torch.float32, 64, 2)
+    q, k, v = (x.view(T, -1, 64) for x in qkv.split([HQ * 64, HKV * 64, HKV * 64], dim=-1))
+    ours = vllm_cpu.DeferredRotaryEmbedding(64, 64, 8192, 10000.0, True, torch.float32)
+    positions = torch.randint(0, 8192, (T,), generator=gen)
+    with context(layer, slots):
+        ours.forward(positions, q, k)
+        rope = vllm_cpu._pending[-1][2]
+        unified_kv_cache_update(k, v, layer.layer_name)
+    assert rope.cos_sin_cache is ours.cos_sin_cache and len(calls(tmp_path)) == 1
+    name, q0 = layer.layer_name, q.clone()
+    with override_forward_context(ForwardContext(no_compile_layers={name: layer}, attn_metadata=None,
+                                                 slot_mapping={name: slots})):
+        rotated, _ = ours.forward(positions, q.reshape(T, -1), k.reshape(T, -1))  # a dummy run: vLLM rotates
+    assert not vllm_cpu._pending and not torch.equal(rotated.view(T, HQ, 64), q0)
+    monkeypatch.setenv("ROPEPOOL_VLLM_CALLS", str(tmp_path / "calls2"))
+    for dtype in (torch.bfloat16, torch.float32):
+        with context(layer, slots):
+            ours.forward(positions, q.to(dtype), k.to(dtype))
+            got = vllm_cpu._pending.pop()[2].cos_sin_cache
+        assert got.dtype == dtype and got is ours.cos_sin_cache
+    with context(layer, slots):
+        ours.forward(positions, q, k)
+        unified_kv_cache_update(k, v, layer.layer_name)
+    assert len(calls(tmp_path)) == 1 and len((tmp_path / "calls2").read_text().splitlines()) == 1

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import ( 
     DeepseekScalingRotaryEmbedding,
 )
 
-from ropepool.integrations import vllm_cpu  # noqa: E402
+from ropepool.integrations import vllm_cpu, vllm_cpu_mla  # noqa: E402
 
 ORIGINAL, FACTOR, ROPE, RANK, HEADS, NOPE = 4096, 40, 64, 512, 4, 32
 # (mscale, mscale_all_dim): DeepSeek V3's (1, 1): cos and sin unscaled; vLLM's default mscale_all_dim 0: scaled
@@ -81,7 +81,7 @@ def test_deferred_rotation_is_vllms(monkeypatch, mscale, mscale_all_dim, dtype, 
     before = cache.clone()
     slots = torch.randperm(8 * 16, generator=gen)[:t]
     slots[5] = -1
-    route = object.__new__(vllm_cpu.AMXMLARoute)  # the write needs no state of the impl
+    route = object.__new__(vllm_cpu_mla.AMXMLARoute)  # the write needs no state of the impl
     route.do_kv_cache_update(kv_c, k_pe, cache, slots, "auto", None)
     assert not vllm_cpu._pending
 

@@ -59,15 +59,15 @@ def test_deferred_mrope_is_vllms(served, head_size, rotary_dim, is_neox, section
     q_in, k_in = q.clone(), k.clone()
     got = ours.forward(positions, q_in, k_in)
     assert got[0] is q_in and got[1] is k_in and torch.equal(q_in, q) and torch.equal(k_in, k)  # deferred
-    (ptr, pos, table, neox, norms, query), = vllm_cpu._pending
+    (ptr, pos, rope, norms, query), = vllm_cpu._pending
     vllm_cpu._pending.clear()
-    assert ptr == k_in.data_ptr() and pos is positions and neox == is_neox and norms is None and query is q_in
+    assert ptr == k_in.data_ptr() and pos is positions and rope.is_neox == is_neox and norms is None and query is q_in
     slots = torch.randperm(BLOCKS * BS, generator=gen)[:T]
     slots[3] = -1
     cache = torch.randn(BLOCKS, HKV, BS, 2 * head_size, generator=gen).to(dtype)
     expected = cache.clone()
     q3, k3, v3 = (x.view(T, -1, head_size) for x in (q_in, k_in, v))
-    rope_and_cache(q3, k3, v3, pos, table, neox, cache, slots, layout="cpu", rope=vllm_cpu._rope(table, neox))
+    rope_and_cache(q3, k3, v3, pos, None, None, cache, slots, layout="cpu", rope=rope)
 
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=3.2e-2)
     torch.testing.assert_close(q_in, want_q, **tol)
@@ -78,8 +78,8 @@ def test_deferred_mrope_is_vllms(served, head_size, rotary_dim, is_neox, section
 
     if rows == "3xT":  # the rows matter here: every frequency at the time row's position rotates differently
         plain_q = q.clone().view(T, -1, head_size)
-        rope_and_cache(plain_q, k.clone().view(T, -1, head_size), v.view(T, -1, head_size), positions[0], table, neox,
-                       cache.clone(), slots, layout="cpu", rope=CosSinCache(table.cos_sin_cache, is_neox=neox))
+        rope_and_cache(plain_q, k.clone().view(T, -1, head_size), v.view(T, -1, head_size), positions[0], None, None,
+                       cache.clone(), slots, layout="cpu", rope=CosSinCache(rope.cos_sin_cache, is_neox=rope.is_neox))
         assert not torch.allclose(plain_q.view(T, -1).float(), want_q.float(), atol=0.1)
 
 

@@ -33,7 +33,7 @@ extension points (and one of torch's), registered by ``register()`` in every vLL
   model is built: torch's public module-registration hook sees each ``self.q_norm = ...``.
 - ``register_backend(AttentionBackendEnum.AMX_MLA / CPU_MLA, ...)``: vLLM's CPU MLA backends
   get an impl whose latent-cache write (``do_kv_cache_update``) makes one ``rope_latent_fused``
-  call with the deferred q_pe / k_pe rotation (DeepSeek V2/V3 shaped models).
+  call with the deferred q_pe / k_pe rotation (DeepSeek V2/V3 shaped models; vllm_cpu_mla.py).
 
 The deferring ops (``register_ops``), ``take_pending`` and ``route_write`` also serve eager CUDA runs
 (vllm_cuda.py), whose write is FlashAttention's / Triton attention's ``do_kv_cache_update``.
@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import logging
 import os
+import types
+import weakref
 
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -56,11 +58,8 @@ from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import De
 from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
-from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend, AMXMLAImpl
-from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from ..api import rope_latent_fused
 from ..errors import RopePoolError
 from ..rotation.norm import QKNorm
 from ..rotation.spec import CosSinCache, RopeSpec
@@ -71,8 +70,8 @@ log = logging.getLogger(__name__)
 # (tests/engines/test_vllm_engine.py)
 ISAS = {"vec": "cpu", "vec16": "cpu", "amx": "cpu_amx"}
 
-# The rotation left for the next attention layer: (key's data pointer, positions, table (vLLM's cos/sin table, or
-# a RopeSpec), is_neox, norms, query).
+# The rotation left for the next attention layer: (key's data pointer, positions, rope= (a CosSinCache of vLLM's
+# table, or a RopeSpec), norms, query).
 _pending: list = []
 # The q/k norms left for the next rotary op: "q" / "k" -> (data pointer of the tensor not normalised, norm module).
 _norms: dict = {}
@@ -80,6 +79,9 @@ _norms: dict = {}
 _vllm_norm: list = []
 # id(forward context's layer dict) -> whether every attention layer in it is ropepool's.
 _served: dict = {}
+# [weak reference to the forward context, every attention layer ropepool's, ROPEPOOL_VLLM_CALLS] of the running
+# step, made at its first layer (weak: the step's metadata goes when vLLM drops it, not at our next step).
+_step: list = [lambda: None, False, None]
 
 
 def served_here(layer) -> bool:
@@ -87,7 +89,7 @@ def served_here(layer) -> bool:
     unquantized cache (vLLM's fp8 writes have their own rounding, left to vLLM) in a layout the route's impl
     names (``ropepool_layout``: on CPU from ``layer.isa``, set by vLLM's CPU metadata builder)."""
     impl = layer.impl
-    if isinstance(impl, _MLARoute):  # the latent cache: rows of kv_lora_rank + rope dim, bfloat16 or float32
+    if getattr(impl, "ropepool_latent", False):  # MLA: rows of kv_lora_rank + rope dim, bfloat16 or float32
         return impl.kv_cache_dtype == "auto"
     return (hasattr(impl, "ropepool_layout") and impl.ropepool_layout(layer) is not None
             and impl.attn_type == AttentionType.DECODER and impl.kv_sharing_target_layer_name is None
@@ -95,9 +97,31 @@ def served_here(layer) -> bool:
 
 
 def _model_served() -> bool:
-    if not is_forward_context_available() or get_forward_context().attn_metadata is None:
-        return False  # a dummy run: nothing is written (MLA would not reach its write), vLLM rotates
-    layers = get_forward_context().no_compile_layers
+    """Whether ropepool does the RoPE and write of every attention layer of the running step."""
+    if not is_forward_context_available():
+        return False
+    ctx = get_forward_context()
+    return (_step if ctx is _step[0]() else _new_step(ctx))[1]
+
+
+def _new_step(ctx) -> list:
+    """``_step`` made for the forward context ``ctx`` (once per step; each layer reads it while ``ctx`` is
+    ``_step[0]()``)."""
+    # a dummy run (no metadata) writes nothing (MLA would not reach its write): vLLM rotates
+    _step[:] = (weakref.ref(ctx), ctx.attn_metadata is not None and _layers_served(ctx.no_compile_layers),
+                os.environ.get("ROPEPOOL_VLLM_CALLS"))
+    return _step
+
+
+def _calls_path():
+    """ROPEPOOL_VLLM_CALLS as the running step read it (outside a step: now)."""
+    if is_forward_context_available():
+        ctx = get_forward_context()
+        return (_step if ctx is _step[0]() else _new_step(ctx))[2]
+    return os.environ.get("ROPEPOOL_VLLM_CALLS")
+
+
+def _layers_served(layers) -> bool:
     hit = _served.get(id(layers))
     if hit is None or hit[0] is not layers:
         attn = [m for m in layers.values() if hasattr(m, "impl")]
@@ -116,9 +140,9 @@ def _model_served() -> bool:
 def _eager(x) -> bool:
     """An eager call on the CPU, or on a CUDA device outside graph capture (a captured graph would replay
     kernels chosen from this Python state: vLLM rotates and writes there)."""
-    if torch.compiler.is_compiling():
-        return False
-    return x.device.type == "cpu" or (x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing())
+    # (is_cpu / is_cuda: ~0.06 us each where x.device.type makes a device, ~0.4)
+    return not torch.compiler.is_compiling() and (
+        x.is_cpu or (x.is_cuda and not torch.cuda.is_current_stream_capturing()))
 
 
 def _never_applied(what: str):
@@ -128,23 +152,22 @@ def _never_applied(what: str):
 
 
 class _DeferredQKNorm:
-    """A per-head q/k RMS norm (tagged by ``_tag`` when the model is built) that the next ropepool attention
-    layer applies, fused with RoPE and the write; any other norm, or a call ropepool cannot defer, is vLLM's."""
+    """vLLM's RMS norms; a per-head q/k norm among them (``_tag``) is left to the next ropepool attention layer."""
 
     offset = 0.0  # QKNorm.weight_offset: the gain is offset + weight
 
-    def forward(self, x, *args, **kwargs):
-        role = getattr(self, "_ropepool_role", None)
-        if role is None:
-            return super().forward(x, *args, **kwargs)
-        if (not args and not kwargs and x.dim() == 3 and tuple(self.weight.shape) == (x.shape[-1],) and _eager(x)
-                and getattr(self, "variance_size_override", None) is None and _model_served()):
-            if role in _norms:
-                _never_applied("q/k norm")
-            _norms[role] = (x.data_ptr(), self)
-            return x
-        _vllm_norm.append(role)
-        return super().forward(x, *args, **kwargs)
+
+def _deferred_norm(self, x, *args, **kwargs):
+    """A q/k norm's forward: deferred to be fused with RoPE and the write where ropepool can, else vLLM's op."""
+    if (not args and not kwargs and x.dim() == 3 and x.shape[-1] == self._ropepool_width and _eager(x)
+            and _model_served()):
+        role = self._ropepool_role
+        if role in _norms:
+            _never_applied("q/k norm")
+        _norms[role] = (x.data_ptr(), self)
+        return x
+    _vllm_norm.append(self._ropepool_role)
+    return type(self).forward(self, x, *args, **kwargs)
 
 
 class DeferredRMSNorm(_DeferredQKNorm, RMSNorm):
@@ -158,16 +181,18 @@ class DeferredGemmaRMSNorm(_DeferredQKNorm, GemmaRMSNorm):
 
 
 def _tag(module, name, submodule):
-    """torch's module-registration hook: marks an attention module's ``q_norm`` / ``k_norm`` (per-head norms;
-    a norm over all heads, as OLMo 2 has, is told apart at the call by its weight's size)."""
+    """torch's module-registration hook: an attention module's ``q_norm`` / ``k_norm`` gets ``_deferred_norm`` as
+    its forward, other norms none (a norm over all heads, as OLMo 2 has, is told apart at the call by its width)."""
     if name in ("q_norm", "k_norm") and isinstance(submodule, _DeferredQKNorm):
+        weight = submodule.weight
+        one = weight.dim() == 1 and getattr(submodule, "variance_size_override", None) is None
         submodule._ropepool_role = name[0]
+        submodule._ropepool_width = weight.shape[0] if one else None
+        submodule.forward = types.MethodType(_deferred_norm, submodule)
 
 
 def _take_norms(query, key):
     """The deferred q and k norms if they were deferred for exactly this query and key (else raises)."""
-    if not _norms:
-        return None
     q, k = _norms.pop("q", None), _norms.pop("k", None)
     _norms.clear()
     if q is None or k is None or q[0] != query.data_ptr() or key is None or k[0] != key.data_ptr():
@@ -179,22 +204,33 @@ class _DeferredRope:
     """A vLLM rotary op whose rotation the next ropepool attention layer does, with ``_ropepool_rope(query)``."""
 
     def forward(self, positions, query, key=None, *args, **kwargs):
-        norms = _take_norms(query, key)
+        norms = _take_norms(query, key) if _norms else None
         if key is None or args or kwargs or not _eager(query) or not _model_served():
             if norms is not None:
                 _never_applied("q/k norm")
             return super().forward(positions, query, key, *args, **kwargs)
         if _pending:
             _never_applied("RoPE")
-        _pending.append((key.data_ptr(), positions, self._ropepool_rope(query), self.is_neox_style, norms, query))
+        _pending.append((key.data_ptr(), positions, self._ropepool_rope(query), norms, query))
         return query, key
+
+    def _ropepool_rope(self, query):
+        """The rope= of vLLM's table as ``_match_cos_sin_cache_dtype`` gives it for ``query``, kept with the table,
+        dtype and device it was made for (a later call reads the buffer dict only: ``self.cos_sin_cache`` costs
+        ~0.9 us through nn.Module's ``__getattr__``, that method ~2.4)."""
+        held = self.__dict__.get("_ropepool_held")
+        if held is None or held[0] is not self._buffers.get("cos_sin_cache") or held[1] is not query.dtype or \
+                held[2] != query.get_device():
+            table = self._match_cos_sin_cache_dtype(query)
+            held = self.__dict__["_ropepool_held"] = (table, query.dtype, query.get_device(), self._rope_of(table))
+        return held[3]
 
 
 class DeferredRotaryEmbedding(_DeferredRope, RotaryEmbedding):
     """vLLM's ``RotaryEmbedding``: ropepool rotates with vLLM's own cos/sin table."""
 
-    def _ropepool_rope(self, query):
-        return self._match_cos_sin_cache_dtype(query)
+    def _rope_of(self, table):
+        return _table(table, self.is_neox_style)
 
 
 class DeferredMRotaryEmbedding(_DeferredRope, MRotaryEmbedding):
@@ -202,8 +238,8 @@ class DeferredMRotaryEmbedding(_DeferredRope, MRotaryEmbedding):
     the time, height or width row by ``mrope_section``, chunked or ``mrope_interleaved``): ropepool rotates with
     vLLM's own table read through ``mrope_rope``."""
 
-    def _ropepool_rope(self, query):
-        return mrope_rope(self, self._match_cos_sin_cache_dtype(query))
+    def _rope_of(self, table):
+        return mrope_rope(self, table)
 
 
 def mrope_rope(rope, table) -> CosSinCache:
@@ -242,28 +278,19 @@ class DeferredDeepseekScalingRotaryEmbedding(_DeferredRope, DeepseekScalingRotar
         return spec
 
 
-def _rope(table, is_neox):
-    """The ``rope=`` of a deferred rotation: a CosSinCache or RopeSpec as it is, vLLM's table as its CosSinCache."""
-    return table if isinstance(table, (CosSinCache, RopeSpec)) else _table(table, is_neox)
+def _count(path: str, name: str, route: str, q, k, norm: str, n: int | None = None) -> None:
+    """With ROPEPOOL_VLLM_CALLS=path (called only then), one line per layer call: pid, tp rank, layer, route,
+    tokens (q's, or ``n``), heads, and who normalised q and k since the last layer (``ropepool``: in this call;
+    ``vllm``: vLLM's norm op; ``-``)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()} {get_tensor_model_parallel_rank()} {name} {route} "
+                f"{q.shape[0] if n is None else n} {q.shape[1]} {k.shape[1]} {norm}\n")
 
 
-def _count(name: str, route: str, q, k, norm: str, n: int | None = None) -> None:
-    """With ROPEPOOL_VLLM_CALLS=path, one line per layer call: pid, tp rank, layer, route, tokens (q's, or ``n``),
-    heads, and who normalised q and k since the last layer (``ropepool``: in this call; ``vllm``: vLLM's norm op;
-    ``-``)."""
-    path = os.environ.get("ROPEPOOL_VLLM_CALLS")
-    if path:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        with open(path, "a") as f:
-            f.write(f"{os.getpid()} {get_tensor_model_parallel_rank()} {name} {route} "
-                    f"{q.shape[0] if n is None else n} {q.shape[1]} {k.shape[1]} {norm}\n")
-
-
-def _qk_norm(impl, norms) -> QKNorm | None:
+def _qk_norm(impl, norms) -> QKNorm:
     """The layer's ``QKNorm`` from its deferred q and k norm modules (built once per layer)."""
-    if norms is None:
-        return None
     held = getattr(impl, "_ropepool_norm", None)
     if held is None or held[0] is not norms[0] or held[1] is not norms[1]:
         q, k = norms
@@ -278,29 +305,38 @@ def take_pending(layer, key):
     if _norms or (pending is not None and (key is None or pending[0] != key.data_ptr())):
         raise RopePoolError(f"layer {layer.layer_name}: the key given to attention is not the one RoPE or its "
                             "q/k norm was deferred for. Fix: serve this model without ropepool (VLLM_PLUGINS='').")
-    vllm_norm = "vllm" if _vllm_norm else "-"
-    _vllm_norm.clear()
-    return pending, vllm_norm
+    if _vllm_norm:
+        _vllm_norm.clear()
+        return pending, "vllm"
+    return pending, "-"
 
 
-def route_write(impl, layer, pending, vllm_norm, query, key, value, kv_cache, slots, vllm_write) -> None:
+def route_write(impl, layer, pending, vllm_norm, query, key, value, kv_cache, slots, vllm_write, calls) -> None:
     """A layer's cache write: ``vllm_write`` (vLLM's own) where vLLM rotated, else the deferred norm, RoPE and write
     by one ropepool call into the layout ``impl.ropepool_layout(layer)`` (its runner bound to ``impl`` after a first
-    checked call: ``layer_rope_and_cache``); counted (``_count``)."""
-    n = slots.shape[0]
+    checked call: ``layer_rope_and_cache``); counted in the file ``calls`` where there is one (``_count``)."""
     if pending is None:
         vllm_write(layer, key, value, kv_cache, slots)
-        _count(layer.layer_name, "vllm", query, key, vllm_norm, n)
+        if calls:
+            _count(calls, layer.layer_name, "vllm", query, key, vllm_norm, slots.shape[0])
         return
-    _, positions, table, is_neox, norms, _ = pending
-    qk_norm = _qk_norm(impl, norms)
+    _, positions, rope, norms, _ = pending
+    qk_norm = None if norms is None else _qk_norm(impl, norms)
     layer_rope_and_cache(impl, query, key, value, positions, kv_cache, slots, layout=impl.ropepool_layout(layer),
-                         rope=_rope(table, is_neox), qk_norm=qk_norm)
-    _count(layer.layer_name, "ropepool", query, key, vllm_norm if qk_norm is None else "ropepool", n)
+                         rope=rope, qk_norm=qk_norm)
+    if calls:
+        _count(calls, layer.layer_name, "ropepool", query, key, vllm_norm if qk_norm is None else "ropepool",
+               slots.shape[0])
 
 
 class CPUImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, its RoPE and cache write done first by one ropepool call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # (the layer writes a cache of its own: decoder attention, no other layer's cache; fixed when vLLM builds it)
+        self._ropepool_writes = self.attn_type not in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER) and \
+            self.kv_sharing_target_layer_name is None
 
     def ropepool_layout(self, layer):
         return ISAS.get(getattr(layer, "isa", None))
@@ -308,12 +344,12 @@ class CPUImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         pending, vllm_norm = take_pending(layer, key)
-        if attn_metadata is not None and self.attn_type not in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER) \
-                and self.kv_sharing_target_layer_name is None:
-            slots = get_forward_context().slot_mapping.get(layer.layer_name)
+        if attn_metadata is not None and self._ropepool_writes:
+            ctx = get_forward_context()
+            slots = ctx.slot_mapping.get(layer.layer_name)
             if slots is not None:
                 route_write(self, layer, pending, vllm_norm, query, key, value, kv_cache, slots,
-                            self.do_kv_cache_update)
+                            self.do_kv_cache_update, (_step if ctx is _step[0]() else _new_step(ctx))[2])
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                output_block_scale)
 
@@ -326,50 +362,6 @@ class CPUBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return CPUImpl
-
-
-class _MLARoute:
-    """vLLM's CPU MLA impl (AMX_MLA, CPU_MLA) whose latent-cache write also rotates q_pe and k_pe, deferred by
-    the rotary op: one ``rope_latent_fused`` call (q_pe rotated in place in vLLM's q, k_pe rotated and written
-    with the latent row). vLLM calls this write before the layer's attention reads q, k_pe or the cache."""
-
-    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
-        pending = _pending.pop() if _pending else None
-        name = getattr(self, "_ropepool_name", "?")
-        if pending is None:  # rotated by vLLM's rotary op: vLLM's own write
-            super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
-            _count(name, "vllm", k_pe, k_pe, "-")
-            return
-        _, positions, table, is_neox, _, q_pe = pending
-        if pending[0] != k_pe.data_ptr():
-            raise RopePoolError(f"layer {name}: the key given to attention is not the one RoPE or its q/k norm was "
-                                "deferred for. Fix: serve this model without ropepool (VLLM_PLUGINS='').")
-        rank, kpe = kv_c_normed.shape[-1], k_pe.squeeze(1)  # [T, rope_dim]: one head
-        _, k_rot, _, _ = rope_latent_fused(q_pe, kpe, kv_c_normed, positions, slot_mapping.flatten(),
-                                           kv_cache[..., :rank], kv_cache[..., rank:], rope=_rope(table, is_neox),
-                                           kv_layout="NHD", q_pe_out=q_pe)
-        kpe.copy_(k_rot)  # the layer's attention reads k_pe too (prefill)
-        _count(name, "ropepool", q_pe, k_pe, "-")
-
-
-class AMXMLARoute(_MLARoute, AMXMLAImpl):
-    pass
-
-
-class CPUMLARoute(_MLARoute, CPUMLAImpl):
-    pass
-
-
-class AMXMLA(AMXMLABackend):
-    @staticmethod
-    def get_impl_cls():
-        return AMXMLARoute
-
-
-class CPUMLA(CPUMLABackend):
-    @staticmethod
-    def get_impl_cls():
-        return CPUMLARoute
 
 
 OPS = (RotaryEmbedding, RMSNorm, GemmaRMSNorm, MRotaryEmbedding, DeepseekScalingRotaryEmbedding)
@@ -390,8 +382,9 @@ def register_ops() -> list[str]:
 def register() -> list[str]:
     """Install on vLLM's CPU platform (once per process); the names of what was installed."""
     if not getattr(register, "done", False):
-        for enum, ours in ((AttentionBackendEnum.CPU_ATTN, CPUBackend), (AttentionBackendEnum.AMX_MLA, AMXMLA),
-                           (AttentionBackendEnum.CPU_MLA, CPUMLA)):
-            register_backend(enum, f"{__name__}.{ours.__name__}")
+        for enum, ours in ((AttentionBackendEnum.CPU_ATTN, f"{__name__}.CPUBackend"),
+                           (AttentionBackendEnum.AMX_MLA, f"{__package__}.vllm_cpu_mla.AMXMLA"),
+                           (AttentionBackendEnum.CPU_MLA, f"{__package__}.vllm_cpu_mla.CPUMLA")):
+            register_backend(enum, ours)
         register.done = True
     return ["CPU_ATTN", "AMX_MLA", "CPU_MLA", *register_ops()]

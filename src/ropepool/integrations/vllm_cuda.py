@@ -25,7 +25,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
 from ..errors import RopePoolError
-from .vllm_cpu import register_ops, route_write, take_pending
+from .vllm_cpu import _calls_path, register_ops, route_write, take_pending
 
 
 class _CudaRoute:
@@ -40,10 +40,10 @@ class _CudaRoute:
         pending, vllm_norm = take_pending(layer, key)
         query = None
         if pending is not None:  # the query vLLM's rotary op was given; attention views it [T, heads, head_size]
-            query = pending[5].view(pending[5].shape[0], self.num_heads, self.head_size)
+            query = pending[4].view(pending[4].shape[0], self.num_heads, self.head_size)
             self._ropepool_query = query.data_ptr()
         route_write(self, layer, pending, vllm_norm, key if query is None else query, key, value, kv_cache,
-                    slot_mapping, super().do_kv_cache_update)
+                    slot_mapping, super().do_kv_cache_update, _calls_path())
 
     def forward(self, layer, query, *args, **kwargs):
         rotated, self._ropepool_query = self._ropepool_query, None
