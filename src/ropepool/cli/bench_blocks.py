@@ -157,18 +157,19 @@ def gpu_summary(recs: Records) -> str:
 
 
 def host_cost(recs: Records) -> tuple[str, set]:
-    """The eager call's host cost over a bare Triton launch, from the host runs."""
-    xs, used = [], set()
+    """The eager call's host cost over a bare Triton launch, from the newest host run (its card and code: runs
+    of other cards or code, pinned differently, are left out)."""
+    pairs = []
     for pin in ("CPU 5", "CPU 9", "none"):
         for t in (1, 16, 64, 256):
             r = recs.ratio(dict(device=GPU, variant=f"host {pin}", provider="after", tokens=t),
                            dict(device=GPU, variant=f"host {pin}", provider="bare", tokens=0))
-            if r:
-                xs += r.values
-                used |= set(r.records)
-    if not xs:
-        return "not recorded", used
-    return f"{span(xs, lambda x: f'{x:.2f}')}x", used
+            pairs += r.pairs if r else []
+    if not pairs:
+        return "not recorded", set()
+    newest = max(pairs, key=lambda p: p[0].order)[0]
+    pairs = [(rec, x) for rec, x in pairs if (rec.device, rec.code) == (newest.device, newest.code)]
+    return f"{span([x for _, x in pairs], lambda x: f'{x:.2f}')}x", {rec for rec, _ in pairs}
 
 
 # --- CPU and MLX --------------------------------------------------------------
