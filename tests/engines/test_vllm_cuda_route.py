@@ -55,6 +55,14 @@ def layer_of(impl_cls, dtype, head_size, seed):
     return layer, qkv, slots, gen
 
 
+def deferred_case(route, seed):
+    """A float32 layer of head size 64 with its q, k, v views of one qkv and a rotary op that defers to ropepool."""
+    layer, qkv, slots, gen = layer_of(route, torch.float32, 64, seed)
+    q, k, v = (x.view(T, -1, 64) for x in qkv.split([HQ * 64, HKV * 64, HKV * 64], dim=-1))
+    ours = vllm_cpu.DeferredRotaryEmbedding(64, 64, 8192, 10000.0, True, torch.float32)
+    return layer, slots, q, k, v, ours, torch.randint(0, 8192, (T,), generator=gen)
+
+
 def context(layer, slots):
     """vLLM's forward context of a step whose only attention layer is ``layer``."""
     name = layer.layer_name
@@ -115,10 +123,7 @@ def test_deferred_rope_written_by_route(route, tmp_path, dtype, head_size, rotar
 def test_moved_query_or_key_raises(route, tmp_path):
     """A key other than the one RoPE was deferred for stops the write; a query other than the rotated one stops
     attention (a model that copies q after RoPE would otherwise attend with an unrotated query)."""
-    layer, qkv, slots, gen = layer_of(route, torch.float32, 64, 1)
-    q, k, v = (x.view(T, -1, 64) for x in qkv.split([HQ * 64, HKV * 64, HKV * 64], dim=-1))
-    ours = vllm_cpu.DeferredRotaryEmbedding(64, 64, 8192, 10000.0, True, torch.float32)
-    positions = torch.randint(0, 8192, (T,), generator=gen)
+    layer, slots, q, k, v, ours, positions = deferred_case(route, 1)
     with context(layer, slots):
         ours.forward(positions, q, k)
         with pytest.raises(RopePoolError, match="the key given to attention is not the one"):
@@ -134,10 +139,7 @@ def test_decisions_are_made_again_for_each_step_and_table(route, tmp_path, monke
     table and query dtype (the rope= of vLLM's table) is read again for the next step or another dtype: a dummy
     run's context (no metadata) after a served step has vLLM rotate; the next step counts into the file named
     then; a bfloat16 query gets vLLM's table cast to bfloat16, then float32 again vLLM's float32 table."""
-    layer, qkv, slots, gen = layer_of(route, torch.float32, 64, 2)
-    q, k, v = (x.view(T, -1, 64) for x in qkv.split([HQ * 64, HKV * 64, HKV * 64], dim=-1))
-    ours = vllm_cpu.DeferredRotaryEmbedding(64, 64, 8192, 10000.0, True, torch.float32)
-    positions = torch.randint(0, 8192, (T,), generator=gen)
+    layer, slots, q, k, v, ours, positions = deferred_case(route, 2)
     with context(layer, slots):
         ours.forward(positions, q, k)
         rope = vllm_cpu._pending[-1][2]
