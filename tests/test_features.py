@@ -40,9 +40,13 @@ def qkv(rng, T, Hq, Hkv, D, dtype, scale=1.0):
     return [randn(rng, T, h, D, dtype=dtype, scale=scale) for h in (Hq, Hkv, Hkv)]
 
 
-def norm_for(rng, D, offset=0.0, q=True, k=True, after_rope=False, eps=1e-6):
-    """A QKNorm with NumPy weights around the gain a model has (Qwen3 w ~ 1; Gemma's 1 + w with w ~ 0)."""
-    weight = lambda: ((1.0 - offset) + 0.5 * rng.standard_normal(D)).astype(np.float32)  # noqa: E731
+def norm_for(rng, D, offset=0.0, q=True, k=True, after_rope=False, eps=1e-6, weights="float32"):
+    """A QKNorm with NumPy weights around the gain a model has (Qwen3 w ~ 1; Gemma's 1 + w with w ~ 0), in the
+    float dtype ``weights`` (a model's norm weights need not be q's dtype)."""
+    from tests.harness import NP_DTYPES
+
+    weight = lambda: ((1.0 - offset) + 0.5 * rng.standard_normal(D)).astype(np.float32).astype(  # noqa: E731
+        NP_DTYPES.get(weights, weights))
     return QKNorm(weight() if q else None, weight() if k else None, eps=eps, weight_offset=offset,
                   after_rope=after_rope)
 
@@ -66,15 +70,17 @@ def call(backend, rng, dtype, T, Hq, Hkv, D, *, slots=None, positions=None, pool
 # --- QK-norm ----------------------------------------------------------------------------------
 
 # name: (head_dim, RopeSpec kwargs, norm kwargs, pool)
+# name -> (head_dim, RopeSpec arguments, norm_for arguments, the pool: "float" for q's dtype or an fp8 dtype).
+# tests/test_native.py runs the float-pool cases on every pool layout of the native kernel.
 NORMS = {
-    "qwen3-D128": (128, {}, dict(offset=0.0), "float"),
-    "gemma3-D256-offset1": (256, dict(base=1e6), dict(offset=1.0), "float"),
+    "qwen3": (128, {}, dict(offset=0.0), "float"),
+    "gemma3-offset1-bf16-weights": (256, dict(base=1e6), dict(offset=1.0, weights="bfloat16"), "float"),
     "llama4-l2-after-gptj": (128, dict(style="gptj", base=5e5), dict(q=False, k=False, after_rope=True), "float"),
-    "after-offset1-D64": (64, {}, dict(offset=1.0, after_rope=True), "float"),
-    "q-weight-only-partial": (64, dict(rotary_dim=32), dict(k=False), "float"),
+    "after-offset1-f64-weights": (64, {}, dict(offset=1.0, after_rope=True, weights="float64"), "float"),
+    "q-weight-only-partial-f16-weights": (64, dict(rotary_dim=32), dict(k=False, weights="float16"), "float"),
     "k-weight-only-gptj-partial": (128, dict(rotary_dim=64, style="gptj"), dict(q=False, offset=1.0), "float"),
+    "odd-dim-big-eps": (72, {}, dict(eps=0.5), "float"),
     "qwen3-fp8-pool": (128, {}, dict(offset=0.0), "float8_e4m3fn"),
-    "big-eps": (64, {}, dict(eps=0.5), "float"),
 }
 
 

@@ -33,6 +33,7 @@ from tests.harness import (  # noqa: E402
     randn,
     run_checked,
 )
+from tests.test_features import NORMS, norm_arith, norm_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch_native.native.kernel() is None, reason="the native kernel is not built")
 
@@ -347,40 +348,16 @@ def test_latent(rng, calls):
     assert calls[CALL] == 1
 
 
-# name: (head_dim, RopeSpec kwargs, tests.test_features.norm_for kwargs, the weights' dtype)
-NORMS = {
-    "qwen3": (128, {}, dict(offset=0.0), "float32"),
-    "gemma3-offset1-bf16-weights": (256, dict(base=1e6), dict(offset=1.0), "bfloat16"),
-    "llama4-l2-after-gptj": (128, dict(style="gptj", base=5e5), dict(q=False, k=False, after_rope=True), "float32"),
-    "after-offset1-f64-weights": (64, {}, dict(offset=1.0, after_rope=True), "float64"),
-    "q-weight-only-partial-f16-weights": (64, dict(rotary_dim=32), dict(k=False), "float16"),
-    "k-weight-only-gptj-partial": (128, dict(rotary_dim=64, style="gptj"), dict(q=False, offset=1.0), "float32"),
-    "odd-dim-big-eps": (72, {}, dict(eps=0.5), "float32"),
-}
-
-
-def _norm(rng, D, wdt, **kw):
-    from tests.harness import NP_DTYPES
-    from tests.test_features import norm_for
-
-    norm = norm_for(rng, D, **kw)
-    as_wdt = lambda w: None if w is None else w.astype(NP_DTYPES.get(wdt, wdt))  # noqa: E731
-    return ropepool.QKNorm(as_wdt(norm.q_weight), as_wdt(norm.k_weight), eps=norm.eps,
-                           weight_offset=norm.weight_offset, after_rope=norm.after_rope)
-
-
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("name", sorted(NORMS))
+@pytest.mark.parametrize("name", sorted(n for n, case in NORMS.items() if case[3] == "float"))
 @pytest.mark.parametrize("layout,pool", [("flat", "float"), ("NHD", "float"), ("HND", "float8_e4m3fn")])
 @pytest.mark.parametrize("T", [1, 9])
 def test_norm_matches_oracle(dtype, name, layout, pool, T, rng, calls):
     """The fused QK norm (before or after RoPE, gain w or 1 + w, q-only / k-only / no weights, weights in any float
     dtype, a head_dim not a multiple of the kernel's 16 lanes) against the oracle, by the kernel."""
-    from tests.test_features import norm_arith
-
-    D, spec_kw, norm_kw, wdt = NORMS[name]
+    D, spec_kw, norm_kw, _ = NORMS[name]
     Hq, Hkv, P = 4, 2, 24
-    norm = _norm(rng, D, wdt, **norm_kw)
+    norm = norm_for(rng, D, **norm_kw)
     q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
     slots = make_slots(rng, T, P, skip_every=4 if T > 1 else 0)
     cache = poison(make_cache(rng, dtype if pool == "float" else pool, P, Hkv, D, **LAYOUTS[layout]), slots)
@@ -397,7 +374,7 @@ def test_norm_close_to_torch_eager(dtype, after_rope, rng, monkeypatch):
     rounds where torch_eager's does, so results differ from torch_eager's by float32 rounding of the sum at most:
     float32 within 4e-6 (measured 1.4e-6), bf16 / fp16 by at most one step of the dtype."""
     T, Hq, Hkv, D, P = 33, 4, 2, 128, 64
-    norm = X.norm(_norm(rng, D, "float32", offset=1.0, after_rope=after_rope))
+    norm = X.norm(norm_for(rng, D, offset=1.0, after_rope=after_rope))
     pos = torch.from_numpy(make_positions(rng, T, 100_000))
 
     def make():
