@@ -34,11 +34,6 @@ from ..errors import OtherLayout, RopePoolError
 from . import arraymath, paths
 from .torch_arrays import TorchOps, extras
 
-# cfg's entries, in rope_ffi.cc's order (enum Cfg); each scale: its address, size, stride and bound.
-CFG = ("rotary_dim", "gptj", "long_from", "by_token", "layer", "kv_layout", "headed", "k_kind", "sin_at", "long_at",
-       "mrope_rows_ptr") + tuple(f"{d}_{f}" for d in ("k_pool", "v_pool", "q_out", "k_out")
-                                 for f in ("scale_ptr", "scale_n", "scale_stride", "qmax")) + (
-    "norm", "norm_eps", "norm_offset", "q_weighted", "k_weighted")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAX_DIM = 2048  # rope_kernel.h MAX_DIM
 _OTHER_LAYOUT = -2  # rope_ffi.cc OTHER_LAYOUT: the arrays are not laid out as those bound (nothing done)
@@ -111,6 +106,12 @@ def prepare(plan, tuning, fallback):
     return Prepared(plan, fallback)
 
 
+@functools.cache
+def cfg_names() -> tuple:
+    """The kernel's cfg entries in its order, by name (rope_ffi.cc: ``ROPEPOOL_CFG``)."""
+    return tuple(native.kernel().cfg_names().lower().split())
+
+
 _DENSE = torch.contiguous_format
 _NONE = torch.zeros(1, 1)  # no table (a layer without RoPE): the kernel does not read it
 
@@ -171,10 +172,16 @@ class Native:
 
     @staticmethod
     def bound(values, arrays):
-        """cfg: ``values`` in CFG's order, then the layout of ``arrays`` (the call's) as the kernel records it."""
+        """cfg: ``values`` by the names the kernel gives its entries (rope_ffi.cc: ``cfg_names``, lower case; those
+        not given are 0), then the layout of ``arrays`` (the call's) as the kernel records it."""
         kernel = native.kernel()
+        names = cfg_names()
+        unknown = values.keys() - set(names)
+        if unknown:  # a name the kernel does not have: its cfg and this module no longer agree
+            raise RopePoolError(f"the CPU kernel has no cfg entries {sorted(unknown)}; nothing was written. Fix: "
+                                "rebuild the kernel from this checkout (`pip install -e .`).")
         cfg = torch.zeros(kernel.cfg_size(), dtype=torch.int64)
-        cfg[:len(CFG)] = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
+        cfg[:len(names)] = torch.tensor([int(values.get(n, 0)) for n in names], dtype=torch.int64)
         outs = [torch.empty_like(x, memory_format=_DENSE) if out is None else out for x, out in zip(arrays[:2],
                                                                                                       arrays[7:9])]
         kernel.bind(*arrays[:7], *outs, cfg.data_ptr())  # q_rot / k_rot as run makes them
