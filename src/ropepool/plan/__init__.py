@@ -94,13 +94,17 @@ class Tuning:
 
     Triton: None picks the measured default for the call (docs/benchmarks.md). MLX (docs/mlx.md): calls of up
     to ``compile_tokens`` tokens run one ``mx.compile``d graph; larger ones on the CPU, in chunks of about
-    ``chunk_features`` q features (1 MB of float32 temporaries)."""
+    ``chunk_features`` q features (1 MB of float32 temporaries). The torch CPU kernel (backends/torch_native.py):
+    ropepool's cos/sin tables cover positions below ``table_positions`` (64 MB a rotation at rotary_dim 128),
+    grown ``table_chunk`` rows at a time; past them cos/sin are computed per call."""
 
     num_warps: int | None = None
     head_split: int | None = None  # programs a token's heads are split over, at up to small_tokens tokens
     small_tokens: int = 64
     compile_tokens: int = 64
     chunk_features: int = 1 << 18
+    table_positions: int = 1 << 17
+    table_chunk: int = 1 << 12
 
 
 DEFAULT_TUNING = Tuning()
