@@ -53,7 +53,7 @@ def targets(geom, slots: mx.array, ok):
     A row is a token's heads where they lie together (flat and NHD pools: one
     index per token), else one head (HND: one index per token and head).
     """
-    valid = (slots >= 0) & (slots < geom.pool_size)
+    valid = geom.written(slots)
     if ok is not None:
         valid = valid & ok
     idx = mx.int32 if geom.rows < 2**31 else mx.int64

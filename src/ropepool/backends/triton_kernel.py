@@ -23,9 +23,10 @@ cos/sin are computed once per (token, frequency) and reused for every head,
 accurately at any angle (``_cos_sin``). The quantized formats' stores are
 ``triton_stores``' functions.
 
-Pool stores are masked by ``0 <= slot < pool_size`` (and, with a table, a
-position inside it), so no input can write outside the pool, and nothing
-needs a device sync. Strides are compile-time constants (an engine has a
+Pool stores are masked by ``0 <= slot < pool_size`` (core/layout.py:
+``PoolGeometry.written``; ``pool_size`` is the plan's geometry's) and, with a
+table, a position inside it, so no input can write outside the pool, and
+nothing needs a device sync. Strides are compile-time constants (an engine has a
 handful of layouts), which gives the compiler the alignment it needs for
 wide accesses; addresses are int64.
 """
