@@ -30,6 +30,7 @@ import triton
 from ..core.args import Extras
 from ..core.layout import TILED, PoolGeometry, paged_view, tiled_view
 from ..errors import RopePoolError
+from ..formats import BLOCK
 from .torch_arrays import extras
 from .triton_launch import CONSTEXPRS, MAX_ENTRIES, Launch, long_factors
 
@@ -275,7 +276,7 @@ class Prepared:
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         """The runner for calls laid out like these arrays (under torch.compile: one that calls the op)."""
-        if "pool.nvfp4" in self.plan.features or "pool.affine" in self.plan.features:
+        if self.plan.stores.k_pool.format in BLOCK:
             return self.block_run
         for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
             if pool.stride(-1) != 1 and pool.shape[-1] > 1:  # the kernel stores each head's row as one run
@@ -310,11 +311,11 @@ class Prepared:
         (kd, *k_parts), (vd, *v_parts) = k_pool, v_pool
         if kd.dtype == torch.uint32:
             kd, vd = kd.view(torch.int32), vd.view(torch.int32)
-        views = [paged_view(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x, self.call.pool)
-                 for x in (*k_parts, *v_parts)]
-        extras = self.extras(q.device)._replace(k_scale_cache=views[0], v_scale_cache=views[len(k_parts)])
-        if len(k_parts) == 2:
-            extras = extras._replace(k_bias_cache=views[1], v_bias_cache=views[3])
+        views = {}  # the parts after the data: the scales, then the biases where the format has them
+        for which, parts in (("k", k_parts), ("v", v_parts)):
+            views.update(zip((f"{which}_scale_cache", f"{which}_bias_cache"), (paged_view(
+                x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x, self.call.pool) for x in parts)))
+        extras = self.extras(q.device)._replace(**views)
         rot = self.call.rotation
         launch = self.launcher.bind(q, k, v, positions, slots, kd, vd, q_out, k_out, extras)
         long_from = rot.long_from if "longrope" in self.plan.features else None
