@@ -316,8 +316,7 @@ def test_tables_grow_and_past_their_bound(monkeypatch, rng, calls):
     oracle's results each time."""
     monkeypatch.setattr(torch_native, "_TABLES", {})
     monkeypatch.setattr(torch_native, "_table_bytes", [0])
-    monkeypatch.setattr(torch_native, "_TABLE_POSITIONS", 1000)
-    monkeypatch.setattr(torch_native, "_TABLE_CHUNK", 256)
+    monkeypatch.setattr(plan, "DEFAULT_TUNING", plan.Tuning(table_positions=1000, table_chunk=256))
     Hq, Hkv, D, P = 3, 1, 64, 128
     rope = RopeSpec(head_dim=D, scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))
     rows = []

@@ -4,7 +4,8 @@
   the runner of another call: silently wrong results);
 - a plan names the features its call uses, and its static key tells the calls that differ apart;
 - a backend row gets only plans whose features it declares (``plan.features <= row.supports``);
-- the extras have one order: the Triton custom op's and MLX's graph's arguments are that order.
+- the kernels' arguments are named once (core/args.py): the Triton kernel's, the custom op's and MLX's
+  graph's follow it.
 """
 import inspect
 
@@ -195,6 +196,27 @@ def test_extras_have_one_order():
     assert triton_op.rope_pool_op is not None
     start = params.index(plan.EXTRAS[0])
     assert params[start:start + len(plan.EXTRAS)] == list(plan.EXTRAS)
+
+
+def test_kernel_arguments_follow_one_declaration():
+    """The Triton kernel's pointer arguments are core/args.POINTERS in its order, as the custom op's are; every
+    kernel constexpr is a stride the launcher names or a feature ``_features`` sets, and nothing else is set; the
+    MLX graph takes the call's arrays, then the extras mlx.READS names. (Tried: the kernel's use_long back after
+    table, a stride field renamed, a feature dropped from _features: each fails here.)"""
+    pytest.importorskip("triton")
+    from ropepool.backends import triton_launch, triton_op
+    from ropepool.backends.triton_kernel import rope_pool_kernel
+
+    kernel = list(inspect.signature(rope_pool_kernel.fn).parameters)
+    assert tuple(kernel[:len(plan.POINTERS)]) == plan.POINTERS
+    op = [a.name for a in torch.ops.ropepool.rope_pool.default._schema.arguments]
+    assert tuple(op[:len(plan.POINTERS)]) == plan.POINTERS
+    features = triton_op._features(build(), 1)
+    assert triton_op._STRIDES.isdisjoint(features)
+    assert triton_op._STRIDES | set(features) == set(triton_launch.CONSTEXPRS)
+    mlx = pytest.importorskip("ropepool.backends.mlx")
+    graph = list(inspect.signature(mlx._graph(build())).parameters)
+    assert graph == list(plan.ARRAYS[:7] + mlx.READS) and set(mlx.READS) <= set(plan.EXTRAS)
 
 
 def test_plan_extras_read_held_arrays_now():

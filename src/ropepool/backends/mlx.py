@@ -53,7 +53,7 @@ def targets(geom, slots: mx.array, ok):
     A row is a token's heads where they lie together (flat and NHD pools: one
     index per token), else one head (HND: one index per token and head).
     """
-    valid = (slots >= 0) & (slots < geom.pool_size)
+    valid = geom.written(slots)
     if ok is not None:
         valid = valid & ok
     idx = mx.int32 if geom.rows < 2**31 else mx.int64
@@ -101,19 +101,23 @@ def _to_pool(rows, store, scale, pool):
 
 # --- the op ------------------------------------------------------------------------------------
 
+# The plan's extras the graph reads (core/args.Extras' names): the row takes no fp8 outputs and no scale caches.
+READS = ("freqs", "table", "q_weight", "k_weight", "k_scale", "v_scale")
+
+
 def _graph(plan):
-    """The op as a function of arrays only (the plan's extras come last, in ``plan.Extras``' order), so
-    mx.compile can trace it."""
+    """The op as a function of arrays only (core/args.ARRAYS up to v_pool, then the extras named ``READS``, in
+    that order: tests/test_plan.py), so mx.compile can trace it."""
     call, st, ops = plan.call, plan.stores, MlxOps
     rot, norm = call.rotation, call.norm
 
-    def graph(q, k, v, positions, slots, k_pool, v_pool, freqs, table, qw, kw, k_scale, v_scale):
+    def graph(q, k, v, positions, slots, k_pool, v_pool, freqs, table, q_weight, k_weight, k_scale, v_scale):
         paths.took("mlx.traced")  # Python runs here at each eager call, but once per trace when compiled
         cos, sin, ok = arraymath.cos_sin(rot, positions, freqs, table, ops) if rot.rotary_dim else (None,) * 3
         k3 = k if k.ndim == 3 else k[:, None]  # MLA: one latent head, k_pe [T, r] or [T, 1, r]
         v3 = v if v.ndim == 3 else v[:, None]  # and kv_c [T, rank]
-        q_rot = arraymath.rope_and_norm(q, cos, sin, rot, norm, qw, ops).astype(q.dtype)
-        k_rot = arraymath.rope_and_norm(k3, cos, sin, rot, norm, kw, ops).astype(k.dtype)
+        q_rot = arraymath.rope_and_norm(q, cos, sin, rot, norm, q_weight, ops).astype(q.dtype)
+        k_rot = arraymath.rope_and_norm(k3, cos, sin, rot, norm, k_weight, ops).astype(k.dtype)
         ids, keep = targets(call.pool, slots, ok)
         if st.k_pool.bits:  # block-quantized: tuples of arrays, each scattered like a pool
             k_pool = tuple(write(p, call.pool, ids, keep, r) for p, r in zip(k_pool, _block(k_rot, st.k_pool, k_scale)))
@@ -145,10 +149,9 @@ class Prepared:
         self.eager, self.compiled = graphs
         # An engine's table is read per call through its weak reference (spec.Rotation): a graph or a runner
         # the layout cache keeps must not keep the caller's table alive.
-        # The extras the graph reads: plan.Extras' order up to v_scale (the row takes no fp8 outputs and no
-        # scale caches, the rest).
-        reads = plan.fixed._fields.index("v_scale") + 1
-        self.arrays, self.table_ref = extras(plan.fixed)[:reads], call.rotation.table_ref
+        ex = extras(plan.fixed)
+        self.arrays, self.table_ref = tuple(getattr(ex, n) for n in READS), call.rotation.table_ref
+        self.table_at = READS.index("table")
         self.block = bool(plan.stores.k_pool.bits)  # block-quantized (tuple) pools: counted per call
 
     def bind(self, *arrays):
@@ -158,7 +161,8 @@ class Prepared:
         if self.block:
             paths.took("mlx.block_store")
         if self.table_ref is not None:
-            return self.run_with(self.arrays[:1] + (self.table_ref(),) + self.arrays[2:], q, k, v, positions,
+            at = self.table_at
+            return self.run_with(self.arrays[:at] + (self.table_ref(),) + self.arrays[at + 1:], q, k, v, positions,
                                  slots, k_pool, v_pool)
         return self.run_with(self.arrays, q, k, v, positions, slots, k_pool, v_pool)
 

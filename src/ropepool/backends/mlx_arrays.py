@@ -101,6 +101,6 @@ def device_array(values) -> mx.array:
 
 
 def extras(values):
-    """``values`` (a ``plan.Extras``) as MLX arrays: NumPy frequencies made once; floats and arrays as they
+    """``values`` (a core/args.Extras) as MLX arrays: NumPy frequencies made once; floats and arrays as they
     are (a float scale is a constant of the traced graph, keyed by ``plan.Plan.key``)."""
-    return tuple(device_array(x) if isinstance(x, np.ndarray) else x for x in values)
+    return type(values)(*(device_array(x) if isinstance(x, np.ndarray) else x for x in values))

@@ -35,9 +35,7 @@ class Prepared:
         k32 = arraymath.rope_and_norm(k3, cos, sin, rot, call.norm, kw, ops)
         k_rot = _out(k32.view(k.shape), k, k_out, st.k_out, ex.k_out_scale)
         k_rows = k32.to(k.dtype) if st.k_out.quantized else k_rot.view(k3.shape)  # the pool stores k_rot in k's dtype
-        # Out-of-range slots are masked, not only negative ones: on a GPU nothing
-        # has checked them, and no input may write outside the pool.
-        write = (slots >= 0) & (slots < call.pool_size)
+        write = call.pool.written(slots)  # (past the pool too: on a GPU nothing has checked them)
         if ok is not None:
             write &= ok
         page, row = page_and_row(slots[write].long(), call.pool.page_size)

@@ -14,7 +14,7 @@ over the cos/sin rows:
 - the engine's table (``CosSinCache``) as it is, read through the rotation's weak reference;
 - where a table's rows would not be torch_eager's bits (``rotary_dim // 2`` not a multiple of 32: ATen computes
   a tail of a tensor with libm's functions, not its vector ones), for MRoPE with ropepool's frequencies, and
-  past ``_TABLE_POSITIONS``: ``arraymath.cos_sin`` per call, as torch_eager computes them, a row per token.
+  past ``plan.Tuning.table_positions``: ``arraymath.cos_sin`` per call, as torch_eager computes them, a row per token.
 
 It takes what its registry row declares (backends/__init__.py); the row's fallback, ``torch_eager``, runs the
 rest, and what a bound layout declines (rows longer than the kernel's buffers).
@@ -34,16 +34,9 @@ from ..errors import OtherLayout, RopePoolError
 from . import arraymath, paths
 from .torch_arrays import TorchOps, extras
 
-# cfg's entries, in rope_ffi.cc's order (enum Cfg); each scale: its address, size, stride and bound.
-CFG = ("rotary_dim", "gptj", "long_from", "by_token", "layer", "kv_layout", "headed", "k_kind", "sin_at", "long_at",
-       "mrope_rows_ptr") + tuple(f"{d}_{f}" for d in ("k_pool", "v_pool", "q_out", "k_out")
-                                 for f in ("scale_ptr", "scale_n", "scale_stride", "qmax")) + (
-    "norm", "norm_eps", "norm_offset", "q_weighted", "k_weighted")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAX_DIM = 2048  # rope_kernel.h MAX_DIM
 _OTHER_LAYOUT = -2  # rope_ffi.cc OTHER_LAYOUT: the arrays are not laid out as those bound (nothing done)
-# Tables cover positions below this (64 MB a rotation at rotary_dim 128), grown in chunks; past it, per call.
-_TABLE_POSITIONS, _TABLE_CHUNK = 1 << 17, 1 << 12
 # (frequencies' bytes, attention scaling) -> float32 [positions, sets * rotary_dim]: per frequency set its cos
 # then its sin columns; equal rotations share one. Past _TABLE_BYTES every table is dropped (regrown on demand).
 _TABLES: dict = {}
@@ -72,8 +65,9 @@ def cos_sin_rows(freqs, scaling: float, start: int, stop: int):
     return torch.cat((cos, sin), 2).flatten(1)
 
 
-def _table(freqs, scaling: float, top: int):
-    """The rotation's table, rows for positions up to at least ``top``; None past the bound (computed per call)."""
+def _table(freqs, scaling: float, top: int, tuning):
+    """The rotation's table, rows for positions up to at least ``top``, grown by ``tuning.table_chunk`` rows; None
+    from ``tuning.table_positions`` on (computed per call)."""
     key = (freqs.numpy().tobytes(), scaling)
     have = _TABLES.get(key)
     if have is None and len(_TABLES) >= 64:
@@ -81,15 +75,15 @@ def _table(freqs, scaling: float, top: int):
     n = 0 if have is None else have.shape[0]
     if n > top:
         return have
-    if top >= _TABLE_POSITIONS:
+    if top >= tuning.table_positions:
         return None
-    new = cos_sin_rows(freqs, scaling, n, (top // _TABLE_CHUNK + 1) * _TABLE_CHUNK)
+    new = cos_sin_rows(freqs, scaling, n, (top // tuning.table_chunk + 1) * tuning.table_chunk)
     old = 0 if have is None else have.nbytes
     if old + new.nbytes > _TABLE_BYTES:  # more than the bound alone
         return None
     if _table_bytes[0] + new.nbytes > _TABLE_BYTES:  # room made: every table dropped, this one made again
         drop_tables()
-        return _table(freqs, scaling, top)
+        return _table(freqs, scaling, top, tuning)
     if have is not None:
         new = torch.cat((have, new))
     _table_bytes[0] += new.nbytes - old
@@ -98,17 +92,23 @@ def _table(freqs, scaling: float, top: int):
 
 
 class Prepared:
-    def __init__(self, plan, fallback):
-        self.plan, self.fallback = plan, fallback
+    def __init__(self, plan, tuning, fallback):
+        self.plan, self.tuning, self.fallback = plan, tuning, fallback
 
     def bind(self, *arrays):
         if native.kernel() is None or max(a.shape[-1] for a in arrays[:3]) > _MAX_DIM:
             return self.fallback.bind(*arrays)
-        return Native(self.plan, arrays).run
+        return Native(self.plan, arrays, self.tuning).run
 
 
 def prepare(plan, tuning, fallback):
-    return Prepared(plan, fallback)
+    return Prepared(plan, tuning, fallback)
+
+
+@functools.cache
+def cfg_names() -> tuple:
+    """The kernel's cfg entries in its order, by name (rope_ffi.cc: ``ROPEPOOL_CFG``)."""
+    return tuple(native.kernel().cfg_names().lower().split())
 
 
 _DENSE = torch.contiguous_format
@@ -122,9 +122,9 @@ class Native:
 
     checks_layout = True
 
-    def __init__(self, plan, arrays):
+    def __init__(self, plan, arrays, tuning):
         call, rot, st = plan.call, plan.call.rotation, plan.stores
-        self.call, self.rot = call, rot
+        self.call, self.rot, self.tuning = call, rot, tuning
         self.fn = native.kernel().rope_pool
         norm = call.norm
         ex = extras(plan.fixed, torch.device("cpu"))
@@ -160,7 +160,7 @@ class Native:
         values.update(by_token=1, long_from=-1)  # cos/sin per call: arraymath's, longrope's set chosen there
         self.cfg_by_token = self.bound(values, arrays)
         self.at, self.at_by_token = self.cfg.data_ptr(), self.cfg_by_token.data_ptr()  # (kept alive by self)
-        self.table = _table(self.freqs, rot.attention_scaling, 0) if self.own and not self.per_call else _NONE
+        self.table = _table(self.freqs, rot.attention_scaling, 0, tuning) if self.own and not self.per_call else _NONE
         # The layout cache skips its value check of calls this runner takes (plan/cache.py): the kernel finds a
         # slot past the pool or twice and a negative position, run raises validation's message. A position past
         # 2^24 (the precision warning) cannot hide in ropepool's table (fewer rows: run sees it) nor in an
@@ -171,10 +171,16 @@ class Native:
 
     @staticmethod
     def bound(values, arrays):
-        """cfg: ``values`` in CFG's order, then the layout of ``arrays`` (the call's) as the kernel records it."""
+        """cfg: ``values`` by the names the kernel gives its entries (rope_ffi.cc: ``cfg_names``, lower case; those
+        not given are 0), then the layout of ``arrays`` (the call's) as the kernel records it."""
         kernel = native.kernel()
+        names = cfg_names()
+        unknown = values.keys() - set(names)
+        if unknown:  # a name the kernel does not have: its cfg and this module no longer agree
+            raise RopePoolError(f"the CPU kernel has no cfg entries {sorted(unknown)}; nothing was written. Fix: "
+                                "rebuild the kernel from this checkout (`pip install -e .`).")
         cfg = torch.zeros(kernel.cfg_size(), dtype=torch.int64)
-        cfg[:len(CFG)] = torch.tensor([int(values.get(n, 0)) for n in CFG], dtype=torch.int64)
+        cfg[:len(names)] = torch.tensor([int(values.get(n, 0)) for n in names], dtype=torch.int64)
         outs = [torch.empty_like(x, memory_format=_DENSE) if out is None else out for x, out in zip(arrays[:2],
                                                                                                       arrays[7:9])]
         kernel.bind(*arrays[:7], *outs, cfg.data_ptr())  # q_rot / k_rot as run makes them
@@ -205,7 +211,7 @@ class Native:
         if done > 0 and self.own:  # positions past ropepool's table (nothing written): grow it, or per call
             if done > _PRECISE_POSITIONS + 1:  # not value-checked by the cache: its warning
                 check_host_values(self.call, positions, slots)
-            grown = _table(self.freqs, self.rot.attention_scaling, done - 1)
+            grown = _table(self.freqs, self.rot.attention_scaling, done - 1, self.tuning)
             if grown is None:
                 table, cfg = self.per_token(positions), self.at_by_token
             else:

@@ -23,9 +23,10 @@ cos/sin are computed once per (token, frequency) and reused for every head,
 accurately at any angle (``_cos_sin``). The quantized formats' stores are
 ``triton_stores``' functions.
 
-Pool stores are masked by ``0 <= slot < pool_size`` (and, with a table, a
-position inside it), so no input can write outside the pool, and nothing
-needs a device sync. Strides are compile-time constants (an engine has a
+Pool stores are masked by ``0 <= slot < pool_size`` (core/layout.py:
+``PoolGeometry.written``; ``pool_size`` is the plan's geometry's) and, with a
+table, a position inside it, so no input can write outside the pool, and
+nothing needs a device sync. Strides are compile-time constants (an engine has a
 handful of layouts), which gives the compiler the alignment it needs for
 wide accesses; addresses are int64.
 """
@@ -199,9 +200,10 @@ def _scale(ptr, head, mask, PER_HEAD: tl.constexpr):
 
 @triton.jit(do_not_specialize=["pool_size", "pos_row_stride"])
 def rope_pool_kernel(
-    q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, freqs, table, use_long, q_weight, k_weight,
-    k_scale_ptr, v_scale_ptr, q_scale_ptr, ko_scale_ptr, ks_cache, vs_cache, kb_cache, vb_cache, pool_size,
-    pos_row_stride,
+    # plan.POINTERS, in its order (tests/test_plan.py), then the scalars and the constexprs (named, any order):
+    q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, freqs, table, q_weight, k_weight,
+    k_scale, v_scale, q_scale, k_out_scale, k_scale_cache, v_scale_cache, k_bias_cache, v_bias_cache,
+    pool_size, pos_row_stride,
     Q_ST: tl.constexpr, Q_SH: tl.constexpr, K_ST: tl.constexpr, K_SH: tl.constexpr,
     V_ST: tl.constexpr, V_SH: tl.constexpr, QO_ST: tl.constexpr, QO_SH: tl.constexpr,
     KO_ST: tl.constexpr, KO_SH: tl.constexpr, KP_PAGE: tl.constexpr, KP_ROW: tl.constexpr, KP_SH: tl.constexpr,
@@ -292,17 +294,17 @@ def rope_pool_kernel(
         q_pass = tl.zeros([BHQ, BLOCK_PASS], tl.float32)
         k_pass = tl.zeros([BHKV, BLOCK_PASS], tl.float32)
     if FP8 or NVFP4:  # (NVFP4: the global decode scales)
-        k_scale = _scale(k_scale_ptr, kv_head, mkh, K_PER_HEAD)
-        v_scale = _scale(v_scale_ptr, kv_head, mkh, V_PER_HEAD)
+        k_sc = _scale(k_scale, kv_head, mkh, K_PER_HEAD)
+        v_sc = _scale(v_scale, kv_head, mkh, V_PER_HEAD)
     else:
-        k_scale = 1.0
-        v_scale = 1.0
-    q_scale = 1.0
-    ko_scale = 1.0
+        k_sc = 1.0
+        v_sc = 1.0
+    q_sc = 1.0
+    ko_sc = 1.0
     if Q_FP8:
-        q_scale = tl.load(q_scale_ptr)
+        q_sc = tl.load(q_scale)
     if K_FP8:
-        ko_scale = tl.load(ko_scale_ptr)
+        ko_sc = tl.load(k_out_scale)
 
     if NORM == 1:  # normalise, then rotate (Qwen3, Gemma 3)
         q1, q2, q_pass = _rms_norm(q1, q2, q_pass, q_weight, d1, d2, j, mi, mj, EPS, WEIGHT_OFFSET, D, Q_W)
@@ -325,11 +327,11 @@ def rope_pool_kernel(
     qo_row = q_out + t * QO_ST + q_head * QO_SH
     ko_row = k_out + t * KO_ST + kv_head * KO_SH
     if ROT > 0:
-        _store_pairs(qo_row, q1, q2, i, mqh, q_scale, HALF, BLOCK_HALF, GPTJ, Q_FP8, Q_FP8_MAX)
-        _store_pairs(ko_row, k1, k2, i, mkh, ko_scale, HALF, BLOCK_HALF, GPTJ, K_FP8, K_FP8_MAX)
+        _store_pairs(qo_row, q1, q2, i, mqh, q_sc, HALF, BLOCK_HALF, GPTJ, Q_FP8, Q_FP8_MAX)
+        _store_pairs(ko_row, k1, k2, i, mkh, ko_sc, HALF, BLOCK_HALF, GPTJ, K_FP8, K_FP8_MAX)
     if ROT < D:
-        _store_out(qo_row + j, q_pass, mqh & mj, q_scale, Q_FP8, Q_FP8_MAX)
-        _store_out(ko_row + j, k_pass, mkh & mj, ko_scale, K_FP8, K_FP8_MAX)
+        _store_out(qo_row + j, q_pass, mqh & mj, q_sc, Q_FP8, Q_FP8_MAX)
+        _store_out(ko_row + j, k_pass, mkh & mj, ko_sc, K_FP8, K_FP8_MAX)
     # The pool stores k_rot as returned in k's dtype, whatever k_out holds.
     k1 = k1.to(k.dtype.element_ty)
     k2 = k2.to(k.dtype.element_ty)
@@ -354,27 +356,27 @@ def rope_pool_kernel(
         tl.debug_barrier()
         k_row_out = tl.load(ko_row + dv, mask=mkh & (dv < DV), other=0.0).to(tl.float32)
         v_row = tl.where(dv < DV, vals.to(tl.float32), 0.0)
-        ks_row = ks_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH
-        vs_row = vs_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH
+        ks_row = k_scale_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH
+        vs_row = v_scale_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH
         if NVFP4:
-            nvfp4_store(kp_row, ks_row, k_row_out, k_scale, mkw, DV, BLOCK_DV)
-            nvfp4_store(vp_row, vs_row, v_row, v_scale, mkw, DV, BLOCK_DV)
+            nvfp4_store(kp_row, ks_row, k_row_out, k_sc, mkw, DV, BLOCK_DV)
+            nvfp4_store(vp_row, vs_row, v_row, v_sc, mkw, DV, BLOCK_DV)
         else:  # AFFINE: the code width; the words are int32 views of the caller's uint32
-            kb_row = kb_cache + page * KB_PAGE + in_page * KB_ROW + kv_head * KB_SH
-            vb_row = vb_cache + page * VB_PAGE + in_page * VB_ROW + kv_head * VB_SH
+            kb_row = k_bias_cache + page * KB_PAGE + in_page * KB_ROW + kv_head * KB_SH
+            vb_row = v_bias_cache + page * VB_PAGE + in_page * VB_ROW + kv_head * VB_SH
             affine_store(kp_row, ks_row, kb_row, k_row_out, mkw, DV, BLOCK_DV, AFFINE, GROUP)
             affine_store(vp_row, vs_row, vb_row, v_row, mkw, DV, BLOCK_DV, AFFINE, GROUP)
     else:
         if PTH:  # each (token, head) row's scale, stored where the pool keeps the row; the rows take its reciprocal
-            ks, k_scale = _pth_scale(tl.maximum(tl.maximum(_absmax(k1), _absmax(k2)), _absmax(k_pass)), FP8_MAX)
-            vs, v_scale = _pth_scale(_absmax(tl.where(dv < DV, vals, 0.0)), FP8_MAX)
-            tl.store(ks_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH, ks, mask=mkw)
-            tl.store(vs_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH, vs, mask=mkw)
+            ks, k_sc = _pth_scale(tl.maximum(tl.maximum(_absmax(k1), _absmax(k2)), _absmax(k_pass)), FP8_MAX)
+            vs, v_sc = _pth_scale(_absmax(tl.where(dv < DV, vals, 0.0)), FP8_MAX)
+            tl.store(k_scale_cache + page * KS_PAGE + in_page * KS_ROW + kv_head * KS_SH, ks, mask=mkw)
+            tl.store(v_scale_cache + page * VS_PAGE + in_page * VS_ROW + kv_head * VS_SH, vs, mask=mkw)
         if ROT > 0:
-            _store_pairs(kp_row, k1, k2, i, mkw, k_scale, HALF, BLOCK_HALF, GPTJ, POOL_Q, FP8_MAX, KP_TD, KP_D1, KP_D0)
+            _store_pairs(kp_row, k1, k2, i, mkw, k_sc, HALF, BLOCK_HALF, GPTJ, POOL_Q, FP8_MAX, KP_TD, KP_D1, KP_D0)
         if ROT < D:
-            _store_out(kp_row + _feature(j, KP_TD, KP_D1, KP_D0), k_pass, mkw & mj, k_scale, POOL_Q, FP8_MAX)
+            _store_out(kp_row + _feature(j, KP_TD, KP_D1, KP_D0), k_pass, mkw & mj, k_sc, POOL_Q, FP8_MAX)
         if DS_MLA:  # the latent row's values and tile scales; k_pe went to the kpe view above (plain)
             ds_mla_store(vp_row, tl.where(dv < DV, vals.to(tl.float32), 0.0), mkw, DV, BLOCK_DV)
         else:
-            _store_out(vp_row + _feature(dv, VP_TD, VP_D1, VP_D0), vals, mkw & (dv < DV), v_scale, POOL_Q, FP8_MAX)
+            _store_out(vp_row + _feature(dv, VP_TD, VP_D1, VP_D0), vals, mkw & (dv < DV), v_sc, POOL_Q, FP8_MAX)

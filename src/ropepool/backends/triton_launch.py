@@ -38,8 +38,9 @@ class Launch:
     one Python frame from the layout cache to Triton's C launcher.
     """
 
-    def __init__(self, launcher, strides: dict, offsets: tuple, pool_size: int):
-        self.launcher, self.offsets, self.pool_size = launcher, offsets, pool_size
+    def __init__(self, launcher, strides: dict, offsets: tuple):
+        # The slots' bound: the plan's pool geometry's (the kernel writes no slot outside [0, pool_size)).
+        self.launcher, self.offsets, self.pool_size = launcher, offsets, launcher.geom.pool_size
         self.small_tokens = launcher.small_tokens
         self.constexprs = tuple({n: {**f, **strides}[n] for n in CONSTEXPRS} for f in launcher.features)
         self.tails = tuple(tuple(c.values()) for c in self.constexprs)
@@ -60,7 +61,7 @@ class Launch:
         self.extras, self.long_from = extras._replace(table=None, k_scale_cache=None, v_scale_cache=None), long_from
         self.table_ref, self.scale_views = table_ref, scale_views
         if fixed:
-            self.more = _more_pointers(extras, None)
+            self.more = _more_pointers(None, extras)
         return self
 
     def __call__(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None, use_long=None,
@@ -108,7 +109,7 @@ class Launch:
     def launch(self, T, variant, ptrs, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras):
         """Any call: through the compiled kernel of its alignment, or the JIT the first time."""
         ln = self.launcher
-        more = _more_pointers(extras, use_long) if self.more is None else self.more
+        more = _more_pointers(use_long, extras) if self.more is None else self.more
         bits = 0
         for p in ptrs + more:
             bits |= p or 0
@@ -133,8 +134,8 @@ class Launch:
         pools = [p.as_strided((1,), (1,), p.storage_offset() + off // p.element_size()) if off else p
                  for p, off in zip((k_pool, v_pool), self.offsets)]
         kernel = rope_pool_kernel[(T, split, 1)](
-            q, k, v, positions, slots, *pools, q_out, k_out, extras[0], extras[1], use_long, *extras[2:],
-            *scalars, **self.constexprs[variant], num_warps=ln.warps)
+            q, k, v, positions, slots, *pools, q_out, k_out, use_long, *extras, *scalars,
+            **self.constexprs[variant], num_warps=ln.warps)
         if INTERPRET or not _fast_launch_ok(kernel):
             return
         key = (tuple(self.constexprs[variant].values()), ln.warps, align, self.pool_size >= 2**31,
@@ -180,9 +181,9 @@ def long_factors(positions, long_from):
     return None if long_from is None or not positions.numel() else positions.max() >= long_from
 
 
-def _more_pointers(extras, use_long) -> tuple:
-    """freqs, table, use_long, then plan.Extras' others in their order, as pointers."""
-    return tuple(None if x is None else x.data_ptr() for x in (extras[0], extras[1], use_long, *extras[2:]))
+def _more_pointers(use_long, extras) -> tuple:
+    """The kernel's pointers after the call's arrays (core/args.POINTERS), as ints."""
+    return tuple(None if x is None else x.data_ptr() for x in (use_long, *extras))
 
 
 def _fast_launch_ok(kernel) -> bool:

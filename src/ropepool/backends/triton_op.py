@@ -12,6 +12,12 @@ declares the outputs and pools mutated and has a fake implementation, so
 data, so the op carries it as lists (``Launcher.args``) and rebuilds it with
 ``Launcher.from_args``; strides are read again from the tensors the op gets,
 which inductor may lay out differently from eager.
+
+The kernel's arguments come by name: its pointers in core/args.POINTERS'
+order, its constexprs as one dict (``_features`` and ``Launcher.bind``'s
+strides, each named ``<array>_<field>``; triton_launch orders them by the
+kernel's signature), the pools' strides from the plan's one pool geometry
+(``call.pool``), which also gives the slots' bound ``pool_size``.
 """
 from __future__ import annotations
 
@@ -21,24 +27,25 @@ from typing import List, Optional
 import torch
 import triton
 
-from ..core.layout import TILED, paged_view, pool_geometry, tiled_view
+from ..core.args import Extras
+from ..core.layout import TILED, PoolGeometry, paged_view, tiled_view
 from ..errors import RopePoolError
+from ..formats import BLOCK
 from .torch_arrays import extras
 from .triton_launch import CONSTEXPRS, MAX_ENTRIES, Launch, long_factors
 
-# The kernel's stride constexprs, in elements (a layout's strides are compiled in; see triton_kernel.py):
-#   Q_/K_/V_/QO_/KO_ + ST, SH: q, k, v, q_out, k_out per token (ST) and per head (SH; 0 for MLA's one head);
-#   KP_/VP_ + PAGE, ROW, SH: the k and v pools seen as [pages, page_size, heads, dim] (layout.paged_view)
-#     per page, per row of a page (slot % page_size) and per head;
-#   KS_/VS_ + PAGE, ROW, SH: the per-token-head scale caches, the same view without the last dim (block pools:
-#     their scales' view); KB_/VB_: the affine pools' biases';
-#   TABLE_ST: the engine's cos/sin table per position;
-#   KP_/VP_ + TT, ROW0, TD, D1, D0: a tiled pool's (layout.tiled_view: vLLM's AMX cache) tokens a tile (ROW is then
-#     the tile's stride, ROW0 a row's within it), features a tile and their strides (untiled: 1, 0, 1, 1, 0).
-_STRIDES = ("Q_ST", "Q_SH", "K_ST", "K_SH", "V_ST", "V_SH", "QO_ST", "QO_SH", "KO_ST", "KO_SH",
-            "KP_PAGE", "KP_ROW", "KP_SH", "VP_PAGE", "VP_ROW", "VP_SH", "TABLE_ST", "KS_PAGE", "KS_ROW", "KS_SH",
-            "VS_PAGE", "VS_ROW", "VS_SH", "KB_PAGE", "KB_ROW", "KB_SH", "VB_PAGE", "VB_ROW", "VB_SH",
-            "KP_TT", "KP_ROW0", "KP_TD", "KP_D1", "KP_D0", "VP_TT", "VP_ROW0", "VP_TD", "VP_D1", "VP_D0")
+# The kernel's stride constexprs, in elements, named <array>_<field> (a layout's strides are compiled in; see
+# triton_kernel.py). _ROWS' fields: per token (ST) and per head (SH; 0 for MLA's one head) of q, k, v, q_out,
+# k_out. _POOL's: the k and v pools (KP, VP) seen as [pages, page_size, heads, dim] (layout.paged_view) per page,
+# per row of a page (slot % page_size) and per head, and a tiled pool's (layout.tiled_view: vLLM's AMX cache)
+# tokens a tile (ROW is then the tile's stride, ROW0 a row's within it), features a tile and their strides
+# (untiled: 1, 0, 1, 1, 0). _CACHE's: the per-token-head scale caches (KS, VS; block pools: their scales) and
+# the affine pools' biases (KB, VB), the same view without the last dim. TABLE_ST: the engine's table per position.
+_ROWS, _POOL, _CACHE = ("ST", "SH"), ("PAGE", "ROW", "SH", "TT", "ROW0", "TD", "D1", "D0"), ("PAGE", "ROW", "SH")
+_CACHES = (("KS", "k_scale_cache"), ("VS", "v_scale_cache"), ("KB", "k_bias_cache"), ("VB", "v_bias_cache"))
+_STRIDES = frozenset([f"{a}_{f}" for a in ("Q", "K", "V", "QO", "KO") for f in _ROWS] +
+                     [f"{a}_{f}" for a in ("KP", "VP") for f in _POOL] +
+                     [f"{a}_{f}" for a, _ in _CACHES for f in _CACHE] + ["TABLE_ST"])
 _FLOAT_FEATURES = ("FP8_MAX", "Q_FP8_MAX", "K_FP8_MAX", "ATTENTION_SCALING", "EPS", "WEIGHT_OFFSET")
 _INT_FEATURES = tuple(n for n in CONSTEXPRS if n not in _STRIDES and n not in _FLOAT_FEATURES)
 # Bounds: plain data (no caller tensor); past its bound it is emptied and refilled.
@@ -119,7 +126,7 @@ def _features(plan, split: int) -> dict:
         DS_MLA="pool.fp8_ds_mla" in features,
         INDEXER=2 if "pool.indexer_ue8m0" in features else int("pool.indexer" in features),
     )
-    ints = {n: int(c[n]) for n in _INT_FEATURES}  # bools as ints: one spelling, one compiled kernel
+    ints = {n: int(x) for n, x in c.items()}  # bools as ints: one spelling, one compiled kernel
     eps, offset = (1.0, 0.0) if norm is None else (norm.eps, norm.weight_offset)
     floats = (st.k_pool.qmax, st.q_out.qmax, st.k_out.qmax, rot.attention_scaling, eps, offset)
     return {**ints, **dict(zip(_FLOAT_FEATURES, floats))}
@@ -145,30 +152,31 @@ class Launcher:
     """What the kernel is launched with besides the tensors: plain data.
 
     ``features``: constexprs for calls of up to ``small_tokens`` tokens (heads
-    split over ``split`` programs) and for larger ones. ``where``: the pool
-    layout's arguments (layer or -1, kv_layout or "", headed).
+    split over ``split`` programs) and for larger ones. ``geom``: the plan's
+    pool geometry (core/layout.PoolGeometry), which every layout's pool strides
+    and the slots' bound come from.
     """
 
-    def __init__(self, small: dict, large: dict, small_tokens: int, splits: tuple, warps: int, where: tuple):
+    def __init__(self, small: dict, large: dict, small_tokens: int, splits: tuple, warps: int, geom: PoolGeometry):
         self.features, self.splits = (small, large), splits  # per variant: constexprs, programs a token
-        self.small_tokens, self.warps, self.where = small_tokens, warps, where
+        self.small_tokens, self.warps, self.geom = small_tokens, warps, geom
         self._bound: dict = {}
 
     @classmethod
     def for_plan(cls, plan, tuning) -> "Launcher":
         call = plan.call
         splits = (tuning.head_split or default_split(call), large_split(call))
-        geom = call.pool
-        where = (-1 if geom.layer is None else geom.layer, geom.kv_layout or "", int(geom.headed))
         return cls(*(_variant(plan, s) for s in splits), tuning.small_tokens, splits,
-                   tuning.num_warps or default_warps(call, splits[1]), where)
+                   tuning.num_warps or default_warps(call, splits[1]), call.pool)
 
     def args(self) -> tuple:
-        """This launcher as the custom op's arguments: lists of ints and floats, and a str."""
+        """This launcher as the custom op's arguments: lists of ints and floats, and a str (the layout)."""
         small, large = self.features
+        g = self.geom
         return ([small[n] for n in _INT_FEATURES], [large[n] for n in _INT_FEATURES],
                 [small[n] for n in _FLOAT_FEATURES],
-                [self.small_tokens, *self.splits, self.warps, self.where[0], self.where[2]], self.where[1])
+                [self.small_tokens, *self.splits, self.warps, -1 if g.layer is None else g.layer, int(g.headed),
+                 *(getattr(g, n) for n in _SIZES)], g.kv_layout or "")
 
     @classmethod
     def from_args(cls, small, large, floats, ints, kv_layout) -> "Launcher":
@@ -178,20 +186,18 @@ class Launcher:
             if len(_LAUNCHERS) >= MAX_ENTRIES:
                 _LAUNCHERS.clear()
             f = dict(zip(_FLOAT_FEATURES, floats))
-            small_tokens, split_small, split_large, warps, layer, headed = ints
+            small_tokens, split_small, split_large, warps, layer, headed, *sizes = ints
+            geom = PoolGeometry(None if layer < 0 else layer, kv_layout or None, bool(headed),
+                                **dict(zip(_SIZES, sizes)))
             launcher = _LAUNCHERS[key] = cls({**dict(zip(_INT_FEATURES, small)), **f},
                                              {**dict(zip(_INT_FEATURES, large)), **f}, small_tokens,
-                                             (split_small, split_large), warps, (layer, kv_layout, headed))
+                                             (split_small, split_large), warps, geom)
         return launcher
 
-    def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None, table=None,
-             scale_caches=(None, None, None, None)):
-        """The runner for this layout (outputs not given will be new contiguous tensors). ``scale_caches``:
-        the scale caches, then the bias caches, of plan.Extras as 4-D NHD views of the layer written
-        (Prepared.extras)."""
-        layer, kv_layout, headed = self.where
-        geom = pool_geometry(k_pool.shape, None if layer < 0 else layer, kv_layout or None, bool(headed))
-        (kp, k_tiles), (vp, v_tiles) = (_pool_strides(p, geom, which) for which, p in enumerate((k_pool, v_pool)))
+    def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, extras):
+        """The runner for this layout (outputs None: new contiguous tensors). ``extras``: a
+        core/args.Extras whose table and scale and bias caches (4-D NHD views of the layer written,
+        Prepared.extras) are read for their strides."""
         head = lambda x: x.stride(1) if x.ndim == 3 else 0  # noqa: E731  MLA's k_pe / kv_c: one head
         # New outputs are contiguous, whatever the token count: strides from the shape alone. (empty_like in
         # its default format would copy the strides of a one-token view, which the layout cache then reuses
@@ -199,33 +205,41 @@ class Launcher:
         qo = q_out.stride()[:2] if q_out is not None else (q.shape[1] * q.shape[2], q.shape[2])
         ko = (k_out.stride(0), head(k_out)) if k_out is not None else (
             (k.shape[1] * k.shape[2], k.shape[2]) if k.ndim == 3 else (k.shape[1], 0))
-        strides = (q.stride(0), q.stride(1), k.stride(0), head(k), v.stride(0), head(v), *qo, *ko,
-                   *kp[:3], *vp[:3], 0 if table is None else table.stride(0),
-                   *(s for c in scale_caches for s in (c.stride()[:3] if c is not None else (0, 0, 0))),
-                   *k_tiles, *v_tiles)
-        offsets = ((kp[3] - k_pool.storage_offset()) * k_pool.element_size(),
-                   (vp[3] - v_pool.storage_offset()) * v_pool.element_size())
+        rows = (q.stride(0), q.stride(1)), (k.stride(0), head(k)), (v.stride(0), head(v)), qo, ko
+        strides = {f"{a}_{f}": s for a, pair in zip(("Q", "K", "V", "QO", "KO"), rows) for f, s in zip(_ROWS, pair)}
+        offsets = []
+        for a, which, pool in (("KP", 0, k_pool), ("VP", 1, v_pool)):
+            pool_strides, offset = _pool_strides(pool, self.geom, which)
+            strides.update((f"{a}_{f}", s) for f, s in zip(_POOL, pool_strides))
+            offsets.append((offset - pool.storage_offset()) * pool.element_size())
+        for a, name in _CACHES:
+            c = getattr(extras, name)
+            strides.update((f"{a}_{f}", s) for f, s in zip(_CACHE, (0, 0, 0) if c is None else c.stride()))
+        strides["TABLE_ST"] = 0 if extras.table is None else extras.table.stride(0)
         dtypes = (q.dtype, k.dtype, k_pool.dtype, q_out.dtype if q_out is not None else q.dtype,
                   k_out.dtype if k_out is not None else k.dtype, positions.dtype, slots.dtype, positions.ndim)
-        key = (strides, offsets, geom.pool_size, dtypes)
+        key = (tuple(strides.values()), tuple(offsets), dtypes)
         launch = self._bound.get(key)
         if launch is None:
             if len(self._bound) >= _MAX_BOUND:
                 self._bound.clear()
-            launch = self._bound[key] = Launch(self, dict(zip(_STRIDES, strides)), offsets, geom.pool_size)
+            launch = self._bound[key] = Launch(self, strides, tuple(offsets))
         return launch
 
 
+_SIZES = ("num_layers", "num_pages", "page_size", "num_heads", "dim")  # PoolGeometry's ints, by name
+
+
 def _pool_strides(pool, geom, which: int) -> tuple:
-    """How the kernel addresses a pool (``which``: 0 k, 1 v): ((page, row, head strides, storage offset) of the
-    layer written, its tiles (TT, ROW0, TD, D1, D0)). Untiled: the 4-D NHD view's, tiles (1, 0, 1, 1, 0). Tiled
-    (vLLM's AMX cache): the 6-D view [pages, rows // TT, TT, heads, dim // TD, TD]'s, ROW the row tile's."""
+    """How the kernel addresses a pool (``which``: 0 k, 1 v): (its _POOL strides, the storage offset of the layer
+    written). Untiled: the 4-D NHD view's, tiles (1, 0, 1, 1, 0). Tiled (vLLM's AMX cache): the 6-D view
+    [pages, rows // TT, TT, heads, dim // TD, TD]'s, ROW the row tile's."""
     if geom.kv_layout not in TILED:
         view = paged_view(pool, geom)
-        return (*view.stride()[:3], view.storage_offset()), (1, 0, 1, 1, 0)
+        return (*view.stride()[:3], 1, 0, 1, 1, 0), view.storage_offset()
     view = tiled_view(pool, geom, which)
     page, row, row0, head, d1, d0 = view.stride()
-    return (page, row, head, view.storage_offset()), (view.shape[2], row0, view.shape[5], d1, d0)
+    return (page, row, head, view.shape[2], row0, view.shape[5], d1, d0), view.storage_offset()
 
 
 def _scale_views(plan) -> tuple:
@@ -262,7 +276,7 @@ class Prepared:
 
     def bind(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
         """The runner for calls laid out like these arrays (under torch.compile: one that calls the op)."""
-        if "pool.nvfp4" in self.plan.features or "pool.affine" in self.plan.features:
+        if self.plan.stores.k_pool.format in BLOCK:
             return self.block_run
         for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
             if pool.stride(-1) != 1 and pool.shape[-1] > 1:  # the kernel stores each head's row as one run
@@ -273,8 +287,7 @@ class Prepared:
         long_from = self.call.rotation.long_from if "longrope" in self.plan.features else None
         if not torch.compiler.is_compiling():
             views = functools.partial(_scale_views, self.plan) if "pool.per_token_head" in self.plan.features else None
-            return self.launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
-                                      self.call.rotation.table, extras[8:]).adopt(
+            return self.launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, extras).adopt(
                 extras, long_from, self.fixed_pointers(), self.call.rotation.table_ref, views)
         op_args = self.launcher.args()
 
@@ -298,13 +311,13 @@ class Prepared:
         (kd, *k_parts), (vd, *v_parts) = k_pool, v_pool
         if kd.dtype == torch.uint32:
             kd, vd = kd.view(torch.int32), vd.view(torch.int32)
-        views = [paged_view(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x, self.call.pool)
-                 for x in (*k_parts, *v_parts)]
-        extras = self.extras(q.device)._replace(k_scale_cache=views[0], v_scale_cache=views[len(k_parts)])
-        if len(k_parts) == 2:
-            extras = extras._replace(k_bias_cache=views[1], v_bias_cache=views[3])
+        views = {}  # the parts after the data: the scales, then the biases where the format has them
+        for which, parts in (("k", k_parts), ("v", v_parts)):
+            views.update(zip((f"{which}_scale_cache", f"{which}_bias_cache"), (paged_view(
+                x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x, self.call.pool) for x in parts)))
+        extras = self.extras(q.device)._replace(**views)
         rot = self.call.rotation
-        launch = self.launcher.bind(q, k, v, positions, slots, kd, vd, q_out, k_out, rot.table, extras[8:])
+        launch = self.launcher.bind(q, k, v, positions, slots, kd, vd, q_out, k_out, extras)
         long_from = rot.long_from if "longrope" in self.plan.features else None
         q_out, k_out, _, _ = launch(q, k, v, positions, slots, kd, vd, q_out, k_out, long_factors(positions, long_from),
                                     extras)
@@ -323,10 +336,11 @@ def rope_pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: t
                  v_bias_cache: Optional[torch.Tensor], small: List[int], large: List[int], floats: List[float],
                  ints: List[int], kv_layout: str) -> None:
     launcher = Launcher.from_args(small, large, floats, ints, kv_layout)
-    caches = (k_scale_cache, v_scale_cache, k_bias_cache, v_bias_cache)
-    launch = launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, table, caches)
-    launch(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long,
-           (freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale, *caches))
+    # (the parameters above in core/args.Extras' order: tests/test_plan.py)
+    extras = Extras(freqs, table, q_weight, k_weight, k_scale, v_scale, q_scale, k_out_scale, k_scale_cache,
+                    v_scale_cache, k_bias_cache, v_bias_cache)
+    launch = launcher.bind(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, extras)
+    launch(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, use_long, extras)
 
 
 @rope_pool_op.register_fake

@@ -45,6 +45,13 @@ class PoolGeometry:
         """How many slots: rows of one layer."""
         return self.num_pages * self.page_size
 
+    def written(self, slots):
+        """Which tokens' rows are written, any framework's int array: ``0 <= slot < pool_size`` (a negative slot
+        skips its token; one past the pool is masked, never written, as on a GPU nothing checks it). The array
+        paths mask with this; the Triton kernel with its ``pool_size`` argument (Launch: this geometry's); the
+        host check (checks/values.py) raises for slots past ``pool_size``."""
+        return (slots >= 0) & (slots < self.pool_size)
+
     @property
     def rows(self) -> int:
         """Rows of ``dim`` features in the whole tensor (every layer, page and head)."""

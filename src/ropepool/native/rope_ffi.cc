@@ -15,16 +15,20 @@ namespace rp = ropepool;
 
 namespace {
 
-// cfg's entries (backends/torch_native.py: CFG, the same order). cfg itself, and the constant arrays of a layout
-// (MRoPE's rows, the scales), are given by address (*_PTR): the binding keeps them alive while its cfg lives, and a
-// call takes 10 tensor arguments, not 17 (each costs ~0.2 us). LAYOUTS: the layout the binding was made for
-// (``bind``), 9 arrays x SIG entries (``signature``), compared at every call before anything else.
-enum Cfg {
-  ROTARY_DIM, GPTJ, LONG_FROM, BY_TOKEN, LAYER, KV_LAYOUT, HEADED, K_KIND, SIN_AT, LONG_AT, MROPE_ROWS_PTR,
-  SCALES,  // 4 x (PTR, N, STRIDE, QMAX): k pool, v pool, q_out, k_out
-  NORM = SCALES + 16, NORM_EPS, NORM_OFFSET, Q_WEIGHTED, K_WEIGHTED,  // (eps, offset: float32 bits)
-  LAYOUTS
-};
+// cfg's entries, declared once: the enum below, and the names ``cfg_names`` gives backends/torch_native.py, which
+// fills cfg by them. cfg itself, and the constant arrays of a layout (MRoPE's rows, the scales), are given by
+// address (*_PTR): the binding keeps them alive while its cfg lives, and a call takes 10 tensor arguments, not 17
+// (each costs ~0.2 us). Each scale is 4 entries in a row (PTR, N, STRIDE, QMAX: ``scale``); eps and offset are
+// float32 bits. LAYOUTS: the layout the binding was made for (``bind``), 9 arrays x SIG entries (``signature``),
+// compared at every call before anything else.
+#define ROPEPOOL_SCALE(X, D) X(D##_SCALE_PTR) X(D##_SCALE_N) X(D##_SCALE_STRIDE) X(D##_QMAX)
+#define ROPEPOOL_CFG(X)                                                                                              \
+  X(ROTARY_DIM) X(GPTJ) X(LONG_FROM) X(BY_TOKEN) X(LAYER) X(KV_LAYOUT) X(HEADED) X(K_KIND) X(SIN_AT) X(LONG_AT)     \
+  X(MROPE_ROWS_PTR) ROPEPOOL_SCALE(X, K_POOL) ROPEPOOL_SCALE(X, V_POOL) ROPEPOOL_SCALE(X, Q_OUT)                   \
+  ROPEPOOL_SCALE(X, K_OUT) X(NORM) X(NORM_EPS) X(NORM_OFFSET) X(Q_WEIGHTED) X(K_WEIGHTED)
+#define ROPEPOOL_ENTRY(name) name,
+enum Cfg { ROPEPOOL_CFG(ROPEPOOL_ENTRY) LAYOUTS };
+#undef ROPEPOOL_ENTRY
 constexpr int MAX_NDIM = 6;
 constexpr int SIG = 4 + 2 * MAX_NDIM;  // dtype, device type, device id, ndim, sizes, strides
 constexpr int NUM_ARRAYS = 9;          // q, k, v, positions, slots, k_pool, v_pool, q_out, k_out
@@ -227,10 +231,10 @@ rp::Args args(TensorView q, TensorView k, TensorView v, TensorView positions, Te
   TVM_FFI_CHECK(a.k_pool.heads == a.k.heads && a.v_pool.heads == a.v.heads && a.k_pool.dim == a.k.dim &&
                 a.v_pool.dim == a.v.dim && a.v_pool.pages * a.v_pool.page_size == a.k_pool.pages * a.k_pool.page_size,
                 ValueError) << "pool shapes";
-  a.k_pool_scale = scale(cfg + SCALES);
-  a.v_pool_scale = scale(cfg + SCALES + 4);
-  a.q_out_scale = scale(cfg + SCALES + 8);
-  a.k_out_scale = scale(cfg + SCALES + 12);
+  a.k_pool_scale = scale(cfg + K_POOL_SCALE_PTR);
+  a.v_pool_scale = scale(cfg + V_POOL_SCALE_PTR);
+  a.q_out_scale = scale(cfg + Q_OUT_SCALE_PTR);
+  a.k_out_scale = scale(cfg + K_OUT_SCALE_PTR);
   if (a.r > 0) {
     const int64_t half = a.r / 2;
     a.cos = table(cos_sin, 0, half);
@@ -258,6 +262,13 @@ const int64_t* cfg_at(int64_t address) {
 
 // The number of cfg entries (the binding allocates them).
 int64_t cfg_size() { return NUM_CFG; }
+
+// The names of cfg's entries before LAYOUTS, in its order, separated by spaces (the binding fills cfg by them).
+tvm::ffi::String cfg_names() {
+#define ROPEPOOL_NAME(name) #name " "
+  return tvm::ffi::String(ROPEPOOL_CFG(ROPEPOOL_NAME));
+#undef ROPEPOOL_NAME
+}
 
 // Records the layout of these arrays (a call's, as ``rope_pool`` takes them) in cfg: every later call is
 // compared with it.
@@ -302,6 +313,7 @@ int64_t rope_pool_norm(TensorView q_weight, TensorView k_weight, TensorView q, T
 tvm::ffi::String isa() { return rp::isa_name(RUN); }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cfg_size, cfg_size);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(cfg_names, cfg_names);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind, bind);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_pool, rope_pool);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_pool_norm, rope_pool_norm);

@@ -15,11 +15,12 @@ A ``Plan`` is framework-neutral and frozen. It holds:
 - ``stores``: how each destination (k pool, v pool, q_out, k_out) stores its
   rows, one ``stores.Store`` each;
 - ``fixed``: the extra arrays the kernels read besides the call's arrays, by
-  name, in ``Extras``' one order (the Triton kernel's, the MLX graph's); those
-  held weakly (``HELD``: an engine's table, the scale caches) are None there
-  and read per call (``extras()``);
+  name (``Extras``); those held weakly (``HELD``: an engine's table, the scale
+  caches) are None there and read per call (``extras()``);
 - ``key``: the one static key of what compiled code reads of the plan; the MLX
   graph cache and the Triton launchers are keyed by it.
+
+The kernels' arguments are named once, in core/args.py (``Extras``, ``POINTERS``: the Triton kernel's order).
 
 The layout cache's key is built before any check, from the public keywords
 (``pool_key``, ``latent_key``; tests/test_plan.py proves each keyword of the
@@ -32,33 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 from .. import backends
 from ..checks import validate
+from ..core.args import ARRAYS, EXTRAS, POINTERS, Extras
 from ..core.stores import DESTINATIONS, Stores, feature
 from ..support import ALL as FEATURES  # every feature a plan may name
 from .cache import entry, forget, indexer_key, latent_key, lookup, out_kind, pool_key, remember
 
-
-class Extras(NamedTuple):
-    """The arrays the kernels read besides the call's, in the one order every backend uses."""
-
-    freqs: Any = None  # float32 [sets, rotary_dim // 2] (NumPy; None with a table or without RoPE)
-    table: Any = None  # the engine's cos/sin table (held weakly)
-    q_weight: Any = None
-    k_weight: Any = None
-    k_scale: Any = None  # a float or an array (the stores' scales)
-    v_scale: Any = None
-    q_scale: Any = None
-    k_out_scale: Any = None
-    k_scale_cache: Any = None  # per-token-head scale caches (held weakly); Triton: block pools' scales
-    v_scale_cache: Any = None
-    k_bias_cache: Any = None  # Triton: affine pools' biases (block pools' arrays are the call's, given per call)
-    v_bias_cache: Any = None
-
-
-EXTRAS = Extras._fields
 HELD = ("table", "k_scale_cache", "v_scale_cache")  # read through weak references, per call
 
 
@@ -111,13 +94,17 @@ class Tuning:
 
     Triton: None picks the measured default for the call (docs/benchmarks.md). MLX (docs/mlx.md): calls of up
     to ``compile_tokens`` tokens run one ``mx.compile``d graph; larger ones on the CPU, in chunks of about
-    ``chunk_features`` q features (1 MB of float32 temporaries)."""
+    ``chunk_features`` q features (1 MB of float32 temporaries). The torch CPU kernel (backends/torch_native.py):
+    ropepool's cos/sin tables cover positions below ``table_positions`` (64 MB a rotation at rotary_dim 128),
+    grown ``table_chunk`` rows at a time; past them cos/sin are computed per call."""
 
     num_warps: int | None = None
     head_split: int | None = None  # programs a token's heads are split over, at up to small_tokens tokens
     small_tokens: int = 64
     compile_tokens: int = 64
     chunk_features: int = 1 << 18
+    table_positions: int = 1 << 17
+    table_chunk: int = 1 << 12
 
 
 DEFAULT_TUNING = Tuning()
@@ -142,5 +129,5 @@ def make(call: validate.Call, q, backend: str | None = None, tuning: Tuning | No
     return Ready(plan, backends.pick(call.framework, q, backend, plan.features), tuning or DEFAULT_TUNING)
 
 
-__all__ = ["Plan", "build", "make", "Tuning", "Extras", "EXTRAS", "FEATURES", "forget", "lookup", "entry", "remember",
-           "pool_key", "latent_key", "indexer_key", "out_kind"]
+__all__ = ["Plan", "build", "make", "Tuning", "Extras", "EXTRAS", "ARRAYS", "POINTERS", "FEATURES", "forget",
+           "lookup", "entry", "remember", "pool_key", "latent_key", "indexer_key", "out_kind"]
