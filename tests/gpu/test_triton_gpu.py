@@ -348,14 +348,16 @@ def test_later_calls_launch_natively(rng, monkeypatch):
         cache = poison(make_cache(rng, "bfloat16", 4 * T, Hkv, D), slots)
         run_checked(X, q, k, v, make_positions(rng, T), slots, cache, rope_base=500000.0)
 
+    # (each T has a pool of its own size: another layout, the last one's runner refuses it first, OTHER_LAYOUT)
     for T in (5, 100):  # small_tokens is 64: both variants
         native_call(T, 8)  # compiles the variant (Triton's launch), then makes the native launcher
         taken.clear()
         native_call(T, 8)
-        assert taken == [triton_native.LAUNCHED], f"T={T}: a repeated call did not take the native launch ({taken})"
+        assert taken[-1] == triton_native.LAUNCHED and taken.count(triton_native.LAUNCHED) == 1, \
+            f"T={T}: a repeated call did not take the native launch ({taken})"
     taken.clear()
     native_call(5, 1)  # 2 bytes off: the native launcher declines, Triton's launch compiles and runs it
-    assert taken == [triton_native.DECLINED], taken
+    assert taken[-1] == triton_native.DECLINED and triton_native.LAUNCHED not in taken, taken
 
 
 def _counted_launchers(monkeypatch):

@@ -54,9 +54,6 @@ class Launch:
         # The same as one C++ call (triton_native), where it can run: (per variant) its spec, and the launcher.
         self.specs, self.native = [None, None], None
 
-    # Whether the native launcher may run this layout's calls (host_latency.py switches it off to time Triton's).
-    native_launch = True
-
     @property
     def checks_layout(self) -> bool:
         """Whether a call of another layout is refused before anything is done (``OtherLayout``), as the layout
@@ -89,8 +86,7 @@ class Launch:
         # was made for (checks_layout). DECLINED where it does not launch (a variant not compiled yet, an
         # unaligned array, no token, a launch hook set): the launch below handles those.
         if native is not None:
-            done = native(self.native_launch and not _hooked(_RUNTIME), q, k, v, positions, slots, k_pool, v_pool,
-                          q_out, k_out)
+            done = native(not _hooked(_RUNTIME), q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
             if done == _LAUNCHED:
                 return q_out, k_out, k_pool, v_pool
             if done == _OTHER_LAYOUT:
