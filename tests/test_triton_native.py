@@ -104,3 +104,47 @@ def test_launcher_checks_the_layout_before_anything():
         assert launch(True, *_arrays(T)) == triton_native.DECLINED
     for what, arrays in _other_layouts():
         assert launch(True, *arrays) == triton_native.OTHER_LAYOUT, what
+
+
+class _Launcher:
+    """A runner that checks its own layout only once it is ready, as the CUDA launcher does once its kernel is
+    compiled (after its first call): ``checks_layout`` is read again at each guarded hit."""
+
+    checks_values = True  # (on CUDA no value is checked on the host; on CPU the stand-in says it checks them)
+
+    def __init__(self):
+        self.ready = False
+
+    @property
+    def checks_layout(self):
+        return self.ready
+
+    def __call__(self, *arrays):
+        return arrays[:2]
+
+
+def test_a_runner_is_found_by_its_key_alone_once_it_checks_its_layout():
+    """plan/cache.py: before its launcher is made, a runner is found only through the guards (a call of another
+    layout with the same key gets no runner); from the first guarded hit after it checks its layout, by the key
+    alone (its own check then refuses other layouts, tests/gpu/test_triton_gpu.py)."""
+    from ropepool import plan
+    from ropepool.checks import validate
+
+    plan.forget()
+    arrays = _replace(_arrays(4, dtype=torch.float32)[:7], 4, torch.arange(4, dtype=torch.int32))  # slots
+    other = _replace(arrays, 0, arrays[0].contiguous())  # q's strides: another layout, the same key
+    kw = dict(head_dim=128, num_qo_heads=32, num_kv_heads=8)
+    scalars = plan.pool_key(128, 32, 8, 10000.0, *(None,) * 13, arrays[0], arrays[1])
+    run = _Launcher()
+    plan.remember(scalars, arrays + (None, None), validate.check(*arrays, **kw), run)
+    try:
+        assert plan.lookup(scalars, other + (None, None)) is None
+        assert plan.lookup(scalars, arrays + (None, None)) is run
+        assert plan.lookup(scalars, other + (None, None)) is None, "found by its key before it checks layouts"
+        run.ready = True
+        assert plan.lookup(scalars, other + (None, None)) is None  # no guarded hit yet since it became ready
+        assert plan.lookup(scalars, arrays + (None, None)) is run
+        assert plan.lookup(scalars, other + (None, None)) is run  # by the key alone: the runner refuses it
+        assert plan.lookup(scalars, other + (None, None), fast=False) is None
+    finally:
+        plan.forget()
