@@ -18,7 +18,7 @@ def _native() -> list:
     return [Extension(
         "ropepool.native._rope_native",
         sources=["src/ropepool/native/rope_ffi.cc"],
-        depends=["src/ropepool/native/rope_kernel.h"],
+        depends=["src/ropepool/native/rope_kernel.h", "src/ropepool/native/layout.h"],
         libraries=["tvm_ffi"],
         # -ffp-contract=off: no fused multiply-add, so the rotation rounds as the torch ops do (docs/precision.md)
         extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden"],
@@ -28,6 +28,7 @@ def _native() -> list:
         # (the driver is opened at run time), so it builds everywhere and is used where there is a GPU.
         "ropepool.native._triton_launch",
         sources=["src/ropepool/native/triton_launch.cc"],
+        depends=["src/ropepool/native/layout.h"],
         libraries=["tvm_ffi", "dl"],
         extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden"],
         **common,

@@ -3,7 +3,6 @@
 The launch itself runs on a GPU (tests/gpu/test_triton_gpu.py: test_later_calls_launch_natively); here the
 layout it is given is checked against the kernel's signature as Triton 3.x records it.
 """
-import ctypes.util
 import glob
 import os
 from types import SimpleNamespace
@@ -46,14 +45,106 @@ def test_spec_declines_kernels_it_does_not_launch(extra, args, meta):
     assert triton_native.spec(kernel(extra, **meta), 1, (0, 0), args) is None
 
 
-def test_module_where_built():
-    """The built module loads where tvm-ffi and the exchange API are there; without a CUDA driver ``make``
-    returns None (Triton's launch runs)."""
+def _built():
     built = glob.glob(os.path.join(triton_native._HERE, "_triton_launch*.so"))
     if not built or not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
         pytest.skip("the native launcher is not built here, or this torch has no DLPack exchange API")
     pytest.importorskip("tvm_ffi")
     assert triton_native.module() is not None
-    if ctypes.util.find_library("cuda") is None:
-        spec = triton_native.spec(kernel({}), 1, (0, 0), ())
-        assert triton_native.make(0, 64, [spec, None]) is None
+
+
+def test_module_where_built():
+    """The built module loads where tvm-ffi and the exchange API are there; ``make`` declines kernels it does not
+    know (no spec)."""
+    _built()
+    assert triton_native.make(64, [None, None], _arrays(4)) is None
+
+
+def _arrays(T, *, dtype=torch.bfloat16, qkv=None):
+    """A call's 9 arrays as the layout cache's guard sees them: q, k, v views of one [T, (32 + 2 * 8) * 128]
+    projection, int32 positions and slots, [64, 8, 128] pools, new contiguous outputs."""
+    qkv = torch.zeros(T, 48 * 128, dtype=dtype) if qkv is None else qkv
+    q, k, v = (x.view(T, -1, 128) for x in qkv.split([32 * 128, 8 * 128, 8 * 128], -1))
+    pools = torch.zeros(2, 64, 8, 128, dtype=dtype)
+    return (q, k, v, torch.zeros(T, dtype=torch.int32), torch.zeros(T, dtype=torch.int32), pools[0], pools[1],
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format))
+
+
+def _replace(arrays, i, x):
+    return arrays[:i] + (x,) + arrays[i + 1:]
+
+
+def _other_layouts():
+    """Calls that the layout cache's guard would not give the launcher made for ``_arrays``: each one thing
+    changed."""
+    a = _arrays(4)
+    q, k, v, positions, slots, k_pool, v_pool, q_out, k_out = a
+    yield "dtype", _arrays(4, dtype=torch.float16)
+    yield "q's strides", _replace(a, 0, q.contiguous())
+    yield "v's head count", _replace(a, 2, v[:, :4])
+    yield "int64 slots", _replace(a, 4, slots.long())
+    yield "2-D positions", _replace(a, 3, positions.view(1, 4))
+    yield "pool size", _replace(a, 5, k_pool[:32])
+    yield "pool strides", _replace(a, 6, torch.zeros(8, 64, 128, dtype=k_pool.dtype).transpose(0, 1))
+    yield "one memory for both pools", _replace(a, 6, k_pool)
+    yield "token counts that disagree", _replace(a, 4, torch.zeros(3, dtype=torch.int32))
+    yield "k_out of another dtype", _replace(a, 8, k_out.float())
+
+
+def test_launcher_checks_the_layout_before_anything():
+    """The launcher compares each call's arrays with those it was made for, as the layout cache's guard does:
+    any token count of the same layout is its own (DECLINED here: CPU arrays are never launched), anything else
+    is OTHER_LAYOUT, nothing done (plan/cache.py then looks the call up with its guards)."""
+    _built()
+    spec = triton_native.spec(kernel({}), 1, (0, 0), ())
+    launch = triton_native.make(64, [spec, None], _arrays(4))
+    assert launch is not None
+    for T in (2, 4, 100):  # (not 1: a one-token view of the projection has other strides, its own layout)
+        assert launch(True, *_arrays(T)) == triton_native.DECLINED
+    for what, arrays in _other_layouts():
+        assert launch(True, *arrays) == triton_native.OTHER_LAYOUT, what
+
+
+class _Launcher:
+    """A runner that checks its own layout only once it is ready, as the CUDA launcher does once its kernel is
+    compiled (after its first call): ``checks_layout`` is read again at each guarded hit."""
+
+    checks_values = True  # (on CUDA no value is checked on the host; on CPU the stand-in says it checks them)
+
+    def __init__(self):
+        self.ready = False
+
+    @property
+    def checks_layout(self):
+        return self.ready
+
+    def __call__(self, *arrays):
+        return arrays[:2]
+
+
+def test_a_runner_is_found_by_its_key_alone_once_it_checks_its_layout():
+    """plan/cache.py: before its launcher is made, a runner is found only through the guards (a call of another
+    layout with the same key gets no runner); from the first guarded hit after it checks its layout, by the key
+    alone (its own check then refuses other layouts, tests/gpu/test_triton_gpu.py)."""
+    from ropepool import plan
+    from ropepool.checks import validate
+
+    plan.forget()
+    arrays = _replace(_arrays(4, dtype=torch.float32)[:7], 4, torch.arange(4, dtype=torch.int32))  # slots
+    other = _replace(arrays, 0, arrays[0].contiguous())  # q's strides: another layout, the same key
+    kw = dict(head_dim=128, num_qo_heads=32, num_kv_heads=8)
+    scalars = plan.pool_key(128, 32, 8, 10000.0, *(None,) * 13, arrays[0], arrays[1])
+    run = _Launcher()
+    plan.remember(scalars, arrays + (None, None), validate.check(*arrays, **kw), run)
+    try:
+        assert plan.lookup(scalars, other + (None, None)) is None
+        assert plan.lookup(scalars, arrays + (None, None)) is run
+        assert plan.lookup(scalars, other + (None, None)) is None, "found by its key before it checks layouts"
+        run.ready = True
+        assert plan.lookup(scalars, other + (None, None)) is None  # no guarded hit yet since it became ready
+        assert plan.lookup(scalars, arrays + (None, None)) is run
+        assert plan.lookup(scalars, other + (None, None)) is run  # by the key alone: the runner refuses it
+        assert plan.lookup(scalars, other + (None, None), fast=False) is None
+    finally:
+        plan.forget()

@@ -348,11 +348,87 @@ def test_later_calls_launch_natively(rng, monkeypatch):
         cache = poison(make_cache(rng, "bfloat16", 4 * T, Hkv, D), slots)
         run_checked(X, q, k, v, make_positions(rng, T), slots, cache, rope_base=500000.0)
 
+    # (each T has a pool of its own size: another layout, the last one's runner refuses it first, OTHER_LAYOUT)
     for T in (5, 100):  # small_tokens is 64: both variants
         native_call(T, 8)  # compiles the variant (Triton's launch), then makes the native launcher
         taken.clear()
         native_call(T, 8)
-        assert taken == [True], f"T={T}: a repeated call did not take the native launch ({taken})"
+        assert taken[-1] == triton_native.LAUNCHED and taken.count(triton_native.LAUNCHED) == 1, \
+            f"T={T}: a repeated call did not take the native launch ({taken})"
     taken.clear()
     native_call(5, 1)  # 2 bytes off: the native launcher declines, Triton's launch compiles and runs it
-    assert taken == [False], taken
+    assert taken[-1] == triton_native.DECLINED and triton_native.LAUNCHED not in taken, taken
+
+
+def _counted_launchers(monkeypatch):
+    """What every native launcher made from now on returns, in call order."""
+    from ropepool.backends import triton_native
+
+    if triton_native.module() is None:
+        pytest.skip("no native launcher here (not built, no tvm-ffi, or a torch without the DLPack exchange API)")
+    taken, make = [], triton_native.make
+
+    def counted(*args):
+        fn = make(*args)
+        return None if fn is None else lambda *a: taken.append(fn(*a)) or taken[-1]
+
+    monkeypatch.setattr(triton_native, "make", counted)
+    return taken
+
+
+def test_key_only_calls_check_their_layout(rng, monkeypatch):
+    """Once its native launcher is made, a layout's runner is found by the call's key alone (plan/cache.py:
+    _FAST); a call of another layout with the same key reaches it, which refuses it before anything is done
+    (OTHER_LAYOUT), and the call is looked up with its guards: every call exact, in any order of the layouts."""
+    from ropepool.backends import triton_native
+    from ropepool.plan import cache
+
+    taken = _counted_launchers(monkeypatch)
+    Hq, Hkv, D, T = 10, 2, 64, 6  # a geometry of its own: its launchers are made here, with the counting function
+
+    def layout_call(fused):
+        q, k, v = qkv(rng, T, Hq, Hkv, D, "bfloat16", fused=fused)
+        slots = make_slots(rng, T, 8 * T, skip_every=4)
+        cache_ = poison(make_cache(rng, "bfloat16", 8 * T, Hkv, D), slots)
+        run_checked(X, q, k, v, make_positions(rng, T), slots, cache_, rope_base=20000.0)
+
+    layout_call(True)  # compiles the fused projection's layout, makes its launcher
+    taken.clear()
+    layout_call(True)
+    assert taken == [triton_native.LAUNCHED] and any(hasattr(r, "native") for r in cache._FAST.values()), taken
+    taken.clear()
+    layout_call(False)  # contiguous q, k, v: the same key, another layout
+    assert taken == [triton_native.OTHER_LAYOUT], taken
+    for fused in (True, False, True, False):
+        taken.clear()
+        layout_call(fused)
+        assert taken[-1] == triton_native.LAUNCHED, (fused, taken)
+
+
+def test_native_launch_on_the_current_stream(rng, monkeypatch):
+    """The native launcher launches on torch's current stream (which tvm-ffi reads for the call): a CUDA graph
+    captures it on its own stream, and its replay writes what the eager call wrote."""
+    from ropepool.backends import triton_native
+
+    taken = _counted_launchers(monkeypatch)
+    Hq, Hkv, D, T = 12, 4, 64, 3
+    q, k, v = (torch.randn(T, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    positions = torch.randint(0, 1000, (T,), device="cuda")
+    slots = torch.tensor([3, 9, 1], device="cuda")
+    pools = [torch.zeros(16, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # compiles, then makes the launcher
+            want = ropepool.rope_pool_fused(q, k, v, positions, slots, pools[0], pools[1], **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    taken.clear()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = ropepool.rope_pool_fused(q, k, v, positions, slots, pools[2], pools[3], **kw)
+    assert taken == [triton_native.LAUNCHED], taken
+    g.replay()
+    torch.cuda.synchronize()
+    for name, x, y in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, want):
+        assert torch.equal(x, y), name

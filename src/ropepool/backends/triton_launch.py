@@ -13,6 +13,7 @@ import inspect
 import torch
 import triton
 
+from ..errors import OtherLayout
 from . import triton_native
 from .triton_kernel import INTERPRET, rope_pool_kernel
 
@@ -27,6 +28,7 @@ _stream_of = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() els
 # Read on every eager call: looked up once (a profiler sets its hooks on this object, not a new one).
 _RUNTIME = triton.knobs.runtime if hasattr(triton, "knobs") else None
 _empty_like, _CONTIGUOUS = torch.empty_like, torch.contiguous_format
+_LAUNCHED, _OTHER_LAYOUT = triton_native.LAUNCHED, triton_native.OTHER_LAYOUT
 
 
 class Launch:
@@ -53,6 +55,12 @@ class Launch:
         # The same as one C++ call (triton_native), where it can run: (per variant) its spec, and the launcher.
         self.specs, self.native = [None, None], None
 
+    @property
+    def checks_layout(self) -> bool:
+        """Whether a call of another layout is refused before anything is done (``OtherLayout``), as the layout
+        cache's key-only lookup requires (plan/cache.py): once the native launcher is made."""
+        return self.native is not None
+
     def adopt(self, extras: tuple, long_from, fixed: bool, table_ref=None, scale_views=None) -> "Launch":
         """This layout as an eager plan's runner: the plan's extra tensors (``fixed``: their memory
         never changes, so their pointers are read once) and where LongRoPE switches factors. The engine's
@@ -75,14 +83,17 @@ class Launch:
         if k_out is None:
             k_out = _empty_like(k, memory_format=_CONTIGUOUS)
         native = self.native
-        # The whole launch of a decode step in one C++ call; False where it does not apply (a variant not
-        # compiled yet, another device, an unaligned array, no token): the launch below handles those.
-        if native is not None and not _hooked(_RUNTIME):
-            device = q.get_device()
-            if native(q.shape[0], device, _stream_of(device), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                      positions.data_ptr(), slots.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), q_out.data_ptr(),
-                      k_out.data_ptr()):
+        # The whole launch of a decode step in one C++ call, which first compares the arrays with the layout it
+        # was made for (checks_layout). DECLINED where it does not launch (a variant not compiled yet, an
+        # unaligned array, no token, a launch hook set): the launch below handles those.
+        if native is not None:
+            done = native(not _hooked(_RUNTIME), q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
+            if done == _LAUNCHED:
                 return q_out, k_out, k_pool, v_pool
+            if done == _OTHER_LAYOUT:
+                raise OtherLayout("the native CUDA launcher was handed arrays of another layout than the one it was "
+                                  "made for; nothing was written. Fix: report it (a bug of ropepool's), with the "
+                                  "call's shapes and strides.")
         T = q.shape[0]
         large = T > self.small_tokens  # the variant: 0 (decode-sized) or 1
         k_off, v_off = self.offsets
@@ -149,7 +160,10 @@ class Launch:
             self.direct[variant] = (launch, split, (*lead, None, None, None), (*more, *scalars, *self.tails[variant]))
             self.specs[variant] = triton_native.spec(kernel, split, self.offsets, (*more, *scalars,
                                                                                    *self.tails[variant]))
-            self.native = triton_native.make(q.get_device(), self.small_tokens, self.specs)
+            native = triton_native.make(self.small_tokens, self.specs, (q, k, v, positions, slots, k_pool, v_pool,
+                                                                        q_out, k_out))
+            if native is not None:  # (else the last one stays: a runner found by its key alone must check layouts)
+                self.native = native
 
 
 def _direct_launch(kernel) -> tuple:

@@ -3,13 +3,15 @@
 Triton's launcher takes every kernel argument as a Python object on every
 call (about 30 here); the native launcher is given the compiled kernel's
 handle and every argument that does not change for a layout once
-(``spec``), and each call passes the token count, the device, the stream and
-the 9 arrays' addresses. It is used where it can be: a built
+(``spec``), with the layout of the arrays it is made for, and each call
+passes the 9 arrays as tensors. It compares them with that layout before it
+does anything (``OTHER_LAYOUT``: the layout cache may then hand it calls by
+their key alone, plan/cache.py) and launches on torch's current stream,
+which tvm-ffi reads for the call. It is used where it can be: a built
 ``_triton_launch``, tvm-ffi, a torch with the DLPack C exchange API (on an
 older torch, importing tvm-ffi would try to compile an add-on for it), and a
 compiled kernel this launcher understands (checked here from its signature
-and metadata). Anywhere else ``make`` returns None and Triton's launch runs,
-as before.
+and metadata). Anywhere else ``make`` returns None and Triton's launch runs.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ import torch
 _HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
 _state: dict = {}
 ARRAYS = 9  # q, k, v, positions, slots, k_pool, v_pool, q_out, k_out: the kernel's first parameters
+# What a launcher's call returns (native/triton_launch.cc): launched; nothing done, Triton's launch to run;
+# nothing done, the arrays laid out otherwise than those it was made for.
+LAUNCHED, DECLINED, OTHER_LAYOUT = 1, 0, -2
 _INTS = {"i32": 32, "i64": 64, "u32": 32, "u64": 64}
 
 
@@ -73,13 +78,13 @@ def spec(kernel, split: int, offsets: tuple, args: tuple) -> list | None:
     return [kernel.function, split, 32 * meta.num_warps, meta.shared, *offsets, *at, *words]
 
 
-def make(device: int, small_tokens: int, specs: list):
-    """The native launcher of these variants (None where one is not compiled yet), or None (no module, no
-    CUDA driver)."""
+def make(small_tokens: int, specs: list, arrays: tuple):
+    """The native launcher of these variants (None where one is not compiled yet) for calls laid out as
+    ``arrays`` (a call's 9, its new outputs included), or None (no module)."""
     mod = module()
     if mod is None or not any(specs):
         return None
     try:
-        return mod.make(device, small_tokens, *(s or [] for s in specs))
-    except Exception:  # no CUDA driver to open: Triton's launch runs
+        return mod.make(small_tokens, *(s or [] for s in specs), *arrays)
+    except Exception:  # arrays of more dims than a layout records (native/layout.h): Triton's launch runs
         return None

@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "layout.h"
 #include "rope_kernel.h"
 
 using tvm::ffi::TensorView;
@@ -19,8 +20,8 @@ namespace {
 // fills cfg by them. cfg itself, and the constant arrays of a layout (MRoPE's rows, the scales), are given by
 // address (*_PTR): the binding keeps them alive while its cfg lives, and a call takes 10 tensor arguments, not 17
 // (each costs ~0.2 us). Each scale is 4 entries in a row (PTR, N, STRIDE, QMAX: ``scale``); eps and offset are
-// float32 bits. LAYOUTS: the layout the binding was made for (``bind``), 9 arrays x SIG entries (``signature``),
-// compared at every call before anything else.
+// float32 bits. LAYOUTS: the layout the binding was made for (``bind``), layout.h's record of 9 arrays, compared
+// at every call before anything else.
 #define ROPEPOOL_SCALE(X, D) X(D##_SCALE_PTR) X(D##_SCALE_N) X(D##_SCALE_STRIDE) X(D##_QMAX)
 #define ROPEPOOL_CFG(X)                                                                                              \
   X(ROTARY_DIM) X(GPTJ) X(LONG_FROM) X(BY_TOKEN) X(LAYER) X(KV_LAYOUT) X(HEADED) X(K_KIND) X(SIN_AT) X(LONG_AT)     \
@@ -29,13 +30,11 @@ namespace {
 #define ROPEPOOL_ENTRY(name) name,
 enum Cfg { ROPEPOOL_CFG(ROPEPOOL_ENTRY) LAYOUTS };
 #undef ROPEPOOL_ENTRY
-constexpr int MAX_NDIM = 6;
-constexpr int SIG = 4 + 2 * MAX_NDIM;  // dtype, device type, device id, ndim, sizes, strides
-constexpr int NUM_ARRAYS = 9;          // q, k, v, positions, slots, k_pool, v_pool, q_out, k_out
-constexpr int NUM_CFG = LAYOUTS + NUM_ARRAYS * SIG;
+constexpr int NUM_ARRAYS = rp::layout::NUM_ARRAYS;  // q, k, v, positions, slots, k_pool, v_pool, q_out, k_out
+constexpr int NUM_CFG = LAYOUTS + rp::layout::SIZE;
 // What a call returns besides rope_kernel.h's: the arrays are not laid out as those bound (nothing read or
 // written; the caller checks the call in full).
-constexpr int64_t OTHER_LAYOUT = -2;
+constexpr int64_t OTHER_LAYOUT = rp::layout::OTHER_LAYOUT;
 enum Layout { FLAT = 0, NHD = 1, HND = 2, AMX = 3 };
 
 int32_t kind_of(DLDataType t) {
@@ -51,7 +50,7 @@ int32_t kind_of(DLDataType t) {
   return -1;
 }
 
-char* base(const TensorView& x) { return static_cast<char*>(x.data_ptr()) + x.byte_offset(); }
+using rp::layout::base;
 
 int32_t checked_kind(const TensorView& x, const char* name) {
   TVM_FFI_CHECK(x.device().device_type == kDLCPU, ValueError) << name << " must be a CPU array";
@@ -159,47 +158,6 @@ rp::Weight weight(const TensorView& x, const char* name, bool given, int64_t dim
 
 const rp::Runner RUN = rp::pick();
 
-// What the layout cache's guard compares of an array (plan/cache.py): dtype, device, sizes and strides, the token
-// count's size left out (-1; ``token``: its dim, -1 none) and, for [3, T] positions, the row stride (which is T).
-// False: more dims than a signature holds.
-bool signature(const TensorView& x, int64_t token, bool free_row_stride, int64_t* out) {
-  const int64_t nd = x.ndim();
-  if (nd > MAX_NDIM) return false;
-  const DLDataType t = x.dtype();
-  out[0] = t.code | (t.bits << 8) | (static_cast<int64_t>(t.lanes) << 16);
-  out[1] = x.device().device_type;
-  out[2] = x.device().device_id;
-  out[3] = nd;
-  for (int64_t d = 0; d < MAX_NDIM; ++d) {
-    out[4 + d] = d >= nd ? 0 : d == token ? -1 : x.size(d);
-    out[4 + MAX_NDIM + d] = d >= nd ? 0 : d == 0 && free_row_stride ? -1 : x.stride(d);
-  }
-  return true;
-}
-
-// The signatures of a call's arrays (false: one has too many dims). Rows and slots: dim 0 is the token; positions:
-// the last.
-bool signatures(const TensorView* xs, int64_t* out) {
-  for (int i = 0; i < NUM_ARRAYS; ++i) {
-    const bool pos = i == 3, pool = i == 5 || i == 6;
-    const int64_t token = pool ? -1 : pos ? xs[i].ndim() - 1 : 0;
-    if (!signature(xs[i], token, pos && xs[i].ndim() == 2, out + i * SIG)) return false;
-  }
-  return true;
-}
-
-// Whether a call's arrays are laid out as those bound, with one token count and two pools: what the layout
-// cache's guard checks, so that a runner found by its key alone (plan/cache.py) runs only its own layout.
-bool same_layout(const TensorView* xs, const int64_t* cfg) {
-  int64_t sig[NUM_ARRAYS * SIG];
-  if (!signatures(xs, sig) || std::memcmp(sig, cfg + LAYOUTS, sizeof(sig)) != 0) return false;
-  const int64_t T = xs[0].ndim() > 0 ? xs[0].size(0) : -1;
-  for (int i : {1, 2, 4, 7, 8})
-    if (xs[i].ndim() == 0 || xs[i].size(0) != T) return false;
-  // (validation refuses one memory for both pools: checks/pools.py)
-  return xs[3].ndim() > 0 && xs[3].size(-1) == T && (xs[5].numel() == 0 || base(xs[5]) != base(xs[6]));
-}
-
 rp::Args args(TensorView q, TensorView k, TensorView v, TensorView positions, TensorView slots, TensorView k_pool,
               TensorView v_pool, TensorView q_out, TensorView k_out, TensorView cos_sin, const int64_t* cfg) {
   rp::Args a;
@@ -276,7 +234,8 @@ void bind(TensorView q, TensorView k, TensorView v, TensorView positions, Tensor
           TensorView v_pool, TensorView q_out, TensorView k_out, int64_t cfg_address) {
   const TensorView xs[NUM_ARRAYS] = {q, k, v, positions, slots, k_pool, v_pool, q_out, k_out};
   int64_t* cfg = const_cast<int64_t*>(cfg_at(cfg_address));
-  TVM_FFI_CHECK(signatures(xs, cfg + LAYOUTS), ValueError) << "arrays of at most " << MAX_NDIM << " dims";
+  TVM_FFI_CHECK(rp::layout::record(xs, cfg + LAYOUTS), ValueError) << "arrays of at most " << rp::layout::MAX_NDIM
+                                                                   << " dims";
 }
 
 // Returns 0 (done), -1 (a slot past the pool or twice, or a negative position: nothing written), -2 (the arrays are not laid
@@ -287,7 +246,7 @@ int64_t rope_pool(TensorView q, TensorView k, TensorView v, TensorView positions
                   int64_t cfg_address) {
   const int64_t* cfg = cfg_at(cfg_address);
   const TensorView xs[NUM_ARRAYS] = {q, k, v, positions, slots, k_pool, v_pool, q_out, k_out};
-  if (!same_layout(xs, cfg)) return OTHER_LAYOUT;
+  if (!rp::layout::same(xs, cfg + LAYOUTS)) return OTHER_LAYOUT;
   return RUN(args(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, cos_sin, cfg));
 }
 
@@ -298,7 +257,7 @@ int64_t rope_pool_norm(TensorView q_weight, TensorView k_weight, TensorView q, T
                        TensorView k_out, TensorView cos_sin, int64_t cfg_address) {
   const int64_t* cfg = cfg_at(cfg_address);
   const TensorView xs[NUM_ARRAYS] = {q, k, v, positions, slots, k_pool, v_pool, q_out, k_out};
-  if (!same_layout(xs, cfg)) return OTHER_LAYOUT;
+  if (!rp::layout::same(xs, cfg + LAYOUTS)) return OTHER_LAYOUT;
   rp::Args a = args(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, cos_sin, cfg);
   TVM_FFI_CHECK(cfg[NORM] == 1 || cfg[NORM] == 2, ValueError) << "cfg: norm 1 (before RoPE) or 2 (after)";
   a.norm = static_cast<int32_t>(cfg[NORM]);

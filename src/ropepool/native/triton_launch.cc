@@ -2,21 +2,28 @@
 //
 // Triton's own launcher parses every kernel argument from Python objects on each call; here the arguments that
 // never change for a layout (the compiled kernel's handle, its grid split, block size, shared memory, and every
-// parameter but the arrays' addresses) are packed once, and a call passes the token count, the stream and the
-// arrays' addresses; the pools' layer offsets are added here, then cuLaunchKernel runs.
+// parameter but the arrays' addresses) are packed once, with the layout of the arrays it was made for (layout.h).
+// A call passes the 9 arrays as tensors: they are compared with that layout first (as the layout cache's guard
+// would compare them), then the pools' layer offsets are added and cuLaunchKernel runs on the stream tvm-ffi read
+// from torch for this call (its current stream).
 // The CUDA driver is found with dlopen at the first call (torch and Triton have loaded it), so this file needs
 // neither CUDA's headers nor libcuda at build time and builds (unused) on machines without CUDA.
 #include <dlfcn.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "layout.h"
+
 using tvm::ffi::Array;
 using tvm::ffi::Function;
+using tvm::ffi::TensorView;
+namespace layout = ropepool::layout;
 
 namespace {
 
@@ -48,7 +55,7 @@ const Driver& driver() {
 }
 
 // The arrays of a call, in the order the caller passes them (triton_launch.Launch.__call__).
-constexpr int kArrays = 9;  // q, k, v, positions, slots, k_pool, v_pool, q_out, k_out
+constexpr int kArrays = layout::NUM_ARRAYS;  // q, k, v, positions, slots, k_pool, v_pool, q_out, k_out
 
 // One compiled variant (decode-sized or large): spec = [function, split, threads, shared bytes, k pool byte
 // offset, v pool byte offset, the parameter index of each of the 9 arrays (-1: none), then every parameter's
@@ -85,17 +92,17 @@ std::unique_ptr<Variant> variant_of(const Array<int64_t>& spec) {
 
 // One launch of ``var`` over T tokens: the arrays' addresses (the pools' before their layer offset). False,
 // having done nothing, where an address is not 16-byte aligned or no CUDA context is current.
-bool launch(const Variant& var, int64_t T, const uintptr_t (&given)[kArrays], void* stream) {
+bool launch(const Variant& var, int64_t T, const TensorView* xs, void* stream) {
   uintptr_t ptrs[kArrays];
   uintptr_t bits = 0;
   for (int i = 0; i < kArrays; ++i) {
-    ptrs[i] = given[i] + (i == 5 ? var.offsets[0] : i == 6 ? var.offsets[1] : 0);
+    ptrs[i] = reinterpret_cast<uintptr_t>(layout::base(xs[i])) + (i == 5 ? var.offsets[0] : i == 6 ? var.offsets[1] : 0);
     bits |= ptrs[i];
   }
   if (bits % 16) return false;  // the kernel was compiled for 16-byte aligned arrays
   const Driver& drv = driver();
   void* ctx = nullptr;
-  if (drv.current(&ctx) != 0 || ctx == nullptr) return false;
+  if (drv.launch == nullptr || drv.current(&ctx) != 0 || ctx == nullptr) return false;
   uint64_t words[kMaxWords + 2];  // + Triton 3.x's scratch pointers, null (this kernel uses none); a kernel
   void* params[kMaxWords + 2];    // with fewer parameters never reads past its own
   const size_t n = var.words.size();
@@ -114,25 +121,36 @@ bool launch(const Variant& var, int64_t T, const uintptr_t (&given)[kArrays], vo
   return true;
 }
 
-// A launcher of one layout's kernel, called with (token count, device index, stream, the 9 arrays' addresses as
-// Tensor.data_ptr() gives them): it launches and returns true, or returns false having done nothing (a variant
-// not compiled yet, another device, no token, an address not 16-byte aligned, no current CUDA context): the
-// caller then takes Triton's own launch, which handles those. Integers, not tensors: converting 9 tensors
-// through DLPack cost more than reading their addresses in Python (0.6 us a call on an H100's host).
-Function make(int64_t device, int64_t small_tokens, Array<int64_t> small, Array<int64_t> large) {
+// What a launcher's call returns: the kernel was launched; nothing was done, the arrays being laid out as those
+// bound (the caller takes Triton's own launch); nothing was done, the arrays being laid out otherwise.
+constexpr int64_t LAUNCHED = 1, DECLINED = 0;
+
+// A launcher of one layout's kernel, made for the arrays of a call (``arrays``: as the runner was given them, its
+// new outputs included) and called with ``go`` and the 9 arrays of each later call (tensors: through DLPack, which
+// also sets the stream). It compares them with the bound layout (OTHER_LAYOUT where they differ), then launches
+// and returns LAUNCHED, or returns DECLINED having done nothing: ``go`` false (a launch hook is set: Triton's
+// launch calls it), a variant not compiled yet, no token, arrays not on a GPU, an address not 16-byte aligned, no
+// CUDA driver or current context. The caller's fallback, Triton's own launch, handles those.
+Function make(int64_t small_tokens, Array<int64_t> small, Array<int64_t> large, TensorView q, TensorView k,
+              TensorView v, TensorView positions, TensorView slots, TensorView k_pool, TensorView v_pool,
+              TensorView q_out, TensorView k_out) {
   std::shared_ptr<Variant> variants[2] = {variant_of(small), variant_of(large)};
-  const Driver& d = driver();
-  TVM_FFI_CHECK(d.launch != nullptr && d.current != nullptr, RuntimeError) << "no CUDA driver (libcuda.so.1)";
-  return Function::FromTyped([variants, device, small_tokens](int64_t T, int64_t on, int64_t stream, int64_t q,
-                                                              int64_t k, int64_t v, int64_t positions, int64_t slots,
-                                                              int64_t k_pool, int64_t v_pool, int64_t q_out,
-                                                              int64_t k_out) -> bool {
+  const TensorView xs[kArrays] = {q, k, v, positions, slots, k_pool, v_pool, q_out, k_out};
+  auto bound = std::make_shared<std::vector<int64_t>>(layout::SIZE);
+  TVM_FFI_CHECK(layout::record(xs, bound->data()), ValueError) << "arrays of at most " << layout::MAX_NDIM << " dims";
+  const bool on_gpu = q.device().device_type == kDLCUDA;
+  return Function::FromTyped([variants, bound, small_tokens, on_gpu](
+                                 bool go, TensorView q, TensorView k, TensorView v, TensorView positions,
+                                 TensorView slots, TensorView k_pool, TensorView v_pool, TensorView q_out,
+                                 TensorView k_out) -> int64_t {
+    const TensorView xs[kArrays] = {q, k, v, positions, slots, k_pool, v_pool, q_out, k_out};
+    if (!layout::same(xs, bound->data())) return layout::OTHER_LAYOUT;
+    const int64_t T = q.size(0);
     const Variant* var = variants[T > small_tokens].get();
-    if (var == nullptr || T <= 0 || on != device) return false;
-    const uintptr_t ptrs[kArrays] = {uintptr_t(q),      uintptr_t(k),      uintptr_t(v),
-                                     uintptr_t(positions), uintptr_t(slots), uintptr_t(k_pool),
-                                     uintptr_t(v_pool), uintptr_t(q_out),  uintptr_t(k_out)};
-    return launch(*var, T, ptrs, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
+    if (!go || !on_gpu || var == nullptr || T <= 0) return DECLINED;
+    const DLDevice dev = q.device();
+    void* stream = TVMFFIEnvGetStream(dev.device_type, dev.device_id);
+    return launch(*var, T, xs, stream) ? LAUNCHED : DECLINED;
   });
 }
 

@@ -7,10 +7,11 @@ sizes (except the token count) and strides, compared in one C++ call
 (dynamo's ``TensorGuards``; where a torch has none, the same facts as one
 tuple compared in Python, ``LayoutGuard``). Nothing here imports torch unless the call's arrays are torch tensors.
 
-A runner that compares the layout itself (``checks_layout``: the native CPU kernel's, which compares dtypes,
-devices, sizes but the token count and strides before it reads or writes anything, and raises
+A runner that compares the layout itself (``checks_layout``: the native CPU kernel's and the native CUDA launcher's,
+which compare dtypes, devices, sizes but the token count and strides before they read or write anything, and raise
 ``errors.OtherLayout`` for any other layout) is found by the key alone where nothing else needs checking here
-(``_FAST``: plain tensors, no autograd on q, k, v, slot and position values the kernel checks); the caller then
+(``_FAST``: plain tensors, no autograd on q, k, v, slot and position values the host need not check: the
+CPU kernel checks them, on CUDA they are not host-checked); the caller then
 catches ``OtherLayout`` and looks up again with the guards (``lookup(..., fast=False)``).
 
 Bounds (both layout caches): at most ``_MAX_KEYS`` keys of scalar arguments,
@@ -72,8 +73,8 @@ def indexer_key(rope, scale_fmt, quant_block_size, kv_layout, layer, q_out, back
 
 # --- the torch layout cache --------------------------------------------------------------------
 
-_SEEN: dict = {}  # (scalars, their types) -> [(guard, runner, call to value-check or None, whether it may go to
-#                                              _FAST)]
+_SEEN: dict = {}  # (scalars, their types) -> [(guard, runner, call to value-check or None, the object whose
+#                                              checks_layout says whether it may go to _FAST, or None)]
 _FAST: dict = {}  # the same key -> the last runner that checks its layout and the values
 _MAX_KEYS = 4096
 _MAX_BYTES = 64 << 20  # of caller arrays held in keys (scales, norm weights): a few KB each in practice
@@ -149,7 +150,7 @@ def entry(scalars: tuple, arrays: tuple) -> tuple | None:
         for guard, run, values, fast in entries:
             # The same memory for both pools is the one thing a layout cannot show.
             if guard.check(*tensors) and (not whole or k_pool.data_ptr() != v_pool.data_ptr()):
-                if fast:  # this layout's runner is the one a key-only lookup tries first from now on
+                if getattr(fast, "checks_layout", False):  # this layout's runner: a key-only lookup's from now on
                     _FAST[scalars, tuple(map(type, scalars))] = run
                 return run, values
     return None
@@ -181,15 +182,15 @@ def remember(scalars: tuple, arrays: tuple, call: validate.Call, run: Callable) 
         entries = _store(_SEEN, key, call, [])
     # A runner whose kernel checks the slots and positions itself (in range, no slot twice), raising validation's
     # message before any write (backends/torch_native.py), declares it: its calls skip the check here.
-    owner = getattr(run, "__self__", None)
+    owner = getattr(run, "__self__", run)  # a bound method's object, or the runner itself (triton_launch.Launch)
     values = call if call.host_values and not getattr(owner, "checks_values", False) else None
     # A runner that checks its own layout, bound to plain tensors, needing no value check here: found by the key
-    # alone (_fast) from now on.
-    fast = getattr(owner, "checks_layout", False) and values is None and not call.autograd and \
-        all(type(x) is torch.Tensor for x in tensors)
+    # alone (_fast) from now on. ``checks_layout`` is read again at each guarded hit: the CUDA launcher checks the
+    # layout once its kernel is compiled, after its first call.
+    fast = owner if values is None and not call.autograd and all(type(x) is torch.Tensor for x in tensors) else None
     entries.append((guard, run, values, fast))
     del entries[:-8]  # a few layouts per key in practice; never many
-    if fast:
+    if getattr(fast, "checks_layout", False):
         _FAST[key] = run
 
 

@@ -138,7 +138,8 @@ def run_layer(layer, q, k, v, kv) -> tuple:
     scalars = plan.pool_key(keywords["head_dim"], keywords["num_qo_heads"], keywords["num_kv_heads"], 10000.0,
                             rope, None, None, None, None, None, None, layer.backend, layer.norm, None, None,
                             None, None, q, k)
-    runner = plan.lookup(scalars, (q, k, v, pos, slots, k_pool, v_pool, None, None))
+    # (with its guards: by the key alone the layout cache may give another layout's runner that checks its own)
+    runner = plan.lookup(scalars, (q, k, v, pos, slots, k_pool, v_pool, None, None), fast=False)
     if runner is not None and k_pool.dtype == q.dtype and k_pool.data_ptr() != v_pool.data_ptr():
         owner = getattr(runner, "__self__", None)
         self_checked = getattr(owner, "checks_layout", False) and getattr(owner, "checks_values", False)
