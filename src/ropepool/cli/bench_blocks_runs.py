@@ -248,12 +248,26 @@ def vllm_step(recs: Records) -> str:
                "inside those calls over the step's.")
     shown, older = _newest(runs, "*-vllm-step*.json")
     earlier = "".join(f"\n\nEarlier, `{prev.file}`: {_one_line(pd['vllm_step'])}" for prev, pd in shown[:-1]) + older
+    turns = (f"{r['rounds']} rounds of the same requests in each engine, the engines taking turns every "
+             f"{r['chunk_steps']} engine steps (ABBA), each engine started first in half the rounds"
+             if "chunk_steps" in r else f"{r['rounds']} turns of each engine interleaved")
     return (f"A {m['num_hidden_layers']}-layer {m['family']} (hidden {m['hidden_size']}, {m['num_attention_heads']}"
             f"/{m['num_key_value_heads']} heads, {m['dtype']}, random weights), {r['prompts']} requests decoding "
-            f"{r['max_tokens']} tokens a turn, {r['rounds']} turns of each engine interleaved; a step is vLLM's "
+            f"{r['max_tokens']} tokens a turn, {turns}; a step is vLLM's "
             "`EngineCore.step` (schedule, forward, sample, update), wall time in the engine's process; tokens "
             f"{'identical' if r['tokens_match'] else 'DIFFERENT'} with and without ropepool. {verdict}\n\n"
-            + "\n".join(lines) + earlier + "\n\n" + sources(rec for rec, _ in shown))
+            + "\n".join(lines) + _paired(r) + earlier + "\n\n" + sources(rec for rec, _ in shown))
+
+
+def _paired(r: dict) -> str:
+    """The paired ratio of a record that has one: the two engines' steps at the same index of the same round."""
+    p = r.get("paired")
+    if p is None:
+        return ""
+    by = "; ".join(f"{q['ratio_median']:.3f}x where {first} was started first ({q['pairs']} pairs)"
+                   for first, q in p["by_started_first"].items())
+    return (f"\n\nStep with ropepool / step without, at the same step index of the same round: median "
+            f"{p['ratio_median']:.3f}x (IQR {p['ratio_q1']:.3f}-{p['ratio_q3']:.3f}, {p['pairs']} pairs); {by}.")
 
 
 def _call_us(r: dict) -> float:
@@ -267,7 +281,8 @@ def _one_line(r: dict) -> str:
     a, b = s["vLLM + ropepool"], s["vLLM alone"]
     return (f"{a['step_us_median']:,.0f} µs with the plugin loaded, {b['step_us_median']:,.0f} µs without "
             f"({a['step_us_median'] / b['step_us_median']:.3f}x), {a['ropepool_calls_per_layer_step']:.2f} ropepool "
-            f"calls per layer and step, tokens {'identical' if r['tokens_match'] else 'DIFFERENT'}.")
+            f"calls per layer and step, tokens {'identical' if r['tokens_match'] else 'DIFFERENT'}"
+            + (f"; paired ratio {r['paired']['ratio_median']:.3f}x." if "paired" in r else "."))
 
 
 # --- the README's headline ---------------------------------------------------
