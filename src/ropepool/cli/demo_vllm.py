@@ -129,25 +129,26 @@ def child(path: str) -> None:
     wrapped = meter.wrap_ropepool()
     meter.wrap_steps(llm.llm_engine.engine_core.engine_core)
     say({"ready_s": time.perf_counter() - t0, "wrapped": wrapped})
-    queued: dict = {}  # request id -> token ids once finished, of the requests "enqueue" queued
+    finished: dict = {}  # request id -> token ids, of the requests "enqueue" queued that finished
     for line in sys.stdin:
         cmd = json.loads(line)
         meter.steps.clear()
         calls = meter.calls
         if "enqueue" in cmd:  # the prompts queued, no step run: "steps" runs them a few engine steps at a time
             params = SamplingParams(max_tokens=cmd["enqueue"], temperature=0.0, ignore_eos=True)
-            queued = dict.fromkeys(llm.enqueue(prompts(), params, use_tqdm=False))
-            say({"queued": len(queued)})
+            finished.clear()
+            say({"queued": len(llm.enqueue(prompts(), params, use_tqdm=False))})
             continue
         if "steps" in cmd:  # up to n engine steps of the queued requests (vLLM's public LLMEngine.step)
             engine = llm.llm_engine
             for _ in range(cmd["steps"]):
                 if not engine.has_unfinished_requests():
                     break
-                queued.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
+                finished.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
             done = not engine.has_unfinished_requests()
+            # in the prompts' order: vLLM numbers requests as it queues them (LLM._run_engine sorts them so too)
             say({"steps": meter.steps, "calls": meter.calls - calls, "done": done,
-                 "tokens": list(queued.values()) if done else None})
+                 "tokens": [finished[k] for k in sorted(finished, key=int)] if done else None})
             continue
         params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
         t = time.perf_counter()
