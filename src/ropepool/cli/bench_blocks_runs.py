@@ -176,14 +176,18 @@ def demo_table(recs: Records, device: str = "cpu") -> str:
     if not cpu:
         lines = [line.replace("| dtype |", "| dtype | requests |").replace("| --- | --- |", "| --- | --- | ---: |", 1)
                  for line in lines]
+    if cpu:  # the ratio in every record of the same code: how far one record's ratio moves on this machine
+        lines = [lines[0][:-1] + "| each record of this code |", lines[1] + " --- |"]
     for key in sorted(newest):
         for row in newest[key][1]:
             plain, fused = _tok_s(row, "plain", cpu), _tok_s(row, "fused", cpu)
             match = "identical" if row["identical"] else "diverge at a near-tie" if row["ok"] else "MISMATCH"
             model = row["family"] if cpu else f"{row['family']}, {envs[newest[key][0].file].get('layers', '?')} layers"
             count = "" if cpu else f" {row['requests']} |"
+            same = ", ".join(f"{demo_ratio(r, cpu):.2f}x" for _, rows in _same_code(recs, [newest[key]]) for r in rows
+                             if (r["family"], r["dtype"]) == (row["family"], row["dtype"])) + " |"
             lines.append(f"| {model} | {key[0]} |{count} {_fmt(plain)} | {_fmt(fused)} | {demo_ratio(row, cpu):.2f}x "
-                         f"| {match} |")
+                         f"| {match} |" + (f" {same}" if cpu else ""))
     runs = len(next(iter(newest.values()))[1][0]["plain_s"])
     clock = "process CPU time" if cpu else "wall time"
     requests = sorted({len(e.get("prompts", ())) for e in envs.values()})
@@ -191,7 +195,15 @@ def demo_table(recs: Records, device: str = "cpu") -> str:
     return (f"Tokens/s of {clock}, median (min-max) of {runs} interleaved runs of each path after an untimed "
             f"one; {' or '.join(map(str, requests))} requests x {' or '.join(map(str, new_tokens))} new tokens"
             f"{' a model' if cpu else ''}:\n\n" + "\n".join(lines) + "\n\n"
-            + sources(rec for rec, _ in newest.values()))
+            + sources({rec for rec, _ in newest.values()} | {rec for rec, _ in _same_code(recs, newest.values())
+                                                                 if cpu}))
+
+
+def _same_code(recs: Records, newest) -> list:
+    """(record, its rows) of every CPU demo record of the code of ``newest`` ((record, rows) pairs), by file name."""
+    codes = {rec.code for rec, _ in newest}
+    return [(rec, d.get("demo", [])) for rec, d in sorted(recs.others("*-demo-*.json"), key=lambda run: run[0].file)
+            if rec.code in codes and d["env"].get("device") == "cpu"]
 
 
 def _newest(runs: list, pattern: str, n: int = 3) -> tuple[list, str]:
