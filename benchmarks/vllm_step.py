@@ -3,13 +3,14 @@
     .venv-vllm/bin/python benchmarks/vllm_step.py --out docs/bench/cpu-DATE-vllm-step.json
 
 The engines of ``ropepool demo --engine vllm`` (ropepool.cli.demo_vllm: the same tiny float32 Llama, each engine
-in its own process with its worker in that process) decode the demo's 8 prompts greedily, both the same
-requests in each round. Within a round they take turns every ``--chunk`` engine steps (ABBA), so that the two
-engines' steps at the same index (the same batch, the same context lengths) run a few milliseconds apart: a
-shared machine's load moves between turns of whole requests by more than the difference measured (10-25% between
-turn medians, measured). Each ``EngineCore.step`` (schedule, forward, sample, update) is timed in the engine's
-process (wall time), with the time spent inside ropepool's public calls during it; a decode step is one whose
-every scheduled request got one token. The record keeps every decode step's time, ropepool calls and ropepool
+in its own process with its worker in that process) decode the demo's 8 prompts greedily, the same requests
+in each round. Within a round they take turns every ``--chunk`` engine steps (ABBA), so that the two engines'
+steps at the same index (the same batch, the same context lengths) run a few milliseconds apart: a shared
+machine's load moves between turns of whole requests by more than the difference measured (the turn medians of
+one engine in records -e to -g spread by up to a third). Each engine is started first in half the rounds.
+Each ``EngineCore.step`` (schedule, forward, sample, update) is timed in the engine's process (wall time),
+with the time spent inside ropepool's public calls during it; a decode step is one whose every scheduled
+request got one token. The record keeps every decode step's time, ropepool calls and ropepool
 seconds, per round. Summary: the median step time of each engine, their ratio, ropepool's share of the step
 (median over steps of ropepool seconds / step seconds), ropepool calls per layer and decode step (0: nothing
 routed), and the paired ratio: the median over step indices of (step with ropepool / step without).
