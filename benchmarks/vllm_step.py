@@ -1,18 +1,24 @@
 """vLLM's decode step time on its CPU build, with ropepool's plugin and without, and ropepool's share of it.
 
-    flock /tmp/heavy.lock .venv-vllm/bin/python benchmarks/vllm_step.py --out docs/bench/cpu-DATE-vllm-step.json
+    .venv-vllm/bin/python benchmarks/vllm_step.py --out docs/bench/cpu-DATE-vllm-step.json
 
 The engines of ``ropepool demo --engine vllm`` (ropepool.cli.demo_vllm: the same tiny float32 Llama, each engine
-in its own process with its worker in that process) take turns decoding the demo's 8 prompts greedily. Each
-``EngineCore.step`` (schedule, forward, sample, update) is timed in the engine's process (wall time), with
-the time spent inside ropepool's public calls during it; a decode step is one whose every scheduled request
-got one token. The record keeps every decode step's time, ropepool calls and ropepool seconds, per turn.
-Summary: the median step time of each engine, their ratio, and ropepool's share of the step (median over
-steps of ropepool seconds / step seconds); ropepool calls per layer and decode step (0: nothing routed).
+in its own process with its worker in that process) decode the demo's 8 prompts greedily, the same requests
+in each round. Within a round they take turns every ``--chunk`` engine steps (ABBA), so that the two engines'
+steps at the same index (the same batch, the same context lengths) run a few milliseconds apart: a shared
+machine's load moves between turns of whole requests by more than the difference measured (the turn medians of
+one engine in records -e to -g spread by up to a third). Each engine is started first in half the rounds.
+Each ``EngineCore.step`` (schedule, forward, sample, update) is timed in the engine's process (wall time),
+with the time spent inside ropepool's public calls during it; a decode step is one whose every scheduled
+request got one token. The record keeps every decode step's time, ropepool calls and ropepool
+seconds, per round. Summary: the median step time of each engine, their ratio, ropepool's share of the step
+(median over steps of ropepool seconds / step seconds), ropepool calls per layer and decode step (0: nothing
+routed), and the paired ratio: the median over step indices of (step with ropepool / step without).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -21,12 +27,46 @@ import sys
 import tempfile
 import time
 
-from ropepool.cli.demo_vllm import CONFIG, PROMPT_LENGTHS, start_both, write_checkpoint
+from ropepool.cli.demo_vllm import CONFIG, ENGINES, PROMPT_LENGTHS, start_both, write_checkpoint
 
 
 def decode_steps(result: dict) -> list:
     """(seconds, calls, ropepool seconds) of the steps where each scheduled request decoded one token."""
     return [s[:3] for s in result["steps"] if s[3] == s[4]]
+
+
+def paired(turns: dict) -> dict:
+    """Step with ropepool over step without at each decode step index of each round: median and quartiles, over
+    all rounds and per engine started first."""
+    def ratios(first=None):
+        return sorted(a[0] / b[0] for ra, rb in zip(turns["vLLM + ropepool"], turns["vLLM alone"])
+                      if first in (None, ra.get("started_first"))
+                      for a, b in zip(ra["steps"], rb["steps"]) if a[3] == a[4] and b[3] == b[4])
+
+    def quartiles(xs):
+        n = len(xs)
+        return {"pairs": n, "ratio_median": statistics.median(xs), "ratio_q1": xs[n // 4], "ratio_q3": xs[3 * n // 4]}
+
+    out = quartiles(ratios())
+    out["by_started_first"] = {label: quartiles(ratios(label)) for label, _ in ENGINES if ratios(label)}
+    return out
+
+
+def run_round(engines: dict, max_tokens: int, chunk: int) -> dict:
+    """One round: the same requests queued in both engines, then ``chunk`` engine steps of each in turn (ABBA)
+    until both are done. Returns each engine's steps and tokens."""
+    for e in engines.values():
+        e.ask(enqueue=max_tokens)
+    out = {label: {"steps": [], "calls": 0, "tokens": None} for label in engines}
+    for j in itertools.count():
+        labels = [k for k in (list(engines) if j % 2 == 0 else list(engines)[::-1]) if out[k]["tokens"] is None]
+        if not labels:
+            return out
+        for label in labels:
+            res = engines[label].ask(steps=chunk)
+            out[label]["steps"] += res["steps"]
+            out[label]["calls"] += res["calls"]
+            out[label]["tokens"] = res["tokens"]
 
 
 def summary(turns: dict) -> dict:
@@ -62,37 +102,46 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="the record to write (a new file under docs/bench/)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per prompt in a turn")
-    p.add_argument("--rounds", type=int, default=8, help="turns of each engine, interleaved ABBA")
-    p.add_argument("--note", default="taken on the shared 2-core VM under /tmp/heavy.lock; OMP_NUM_THREADS=1")
+    p.add_argument("--rounds", type=int, default=8, help="rounds: the same requests decoded by each engine")
+    p.add_argument("--chunk", type=int, default=8, help="engine steps of each engine's turn within a round (ABBA)")
+    p.add_argument("--note", default="taken on a shared 2-core VM with no other heavy job running; OMP_NUM_THREADS=1")
     a = p.parse_args()
+    turns = {label: [] for label, _ in ENGINES}
+    same = True
     with tempfile.TemporaryDirectory(prefix="ropepool-vllm-step-") as path:
         write_checkpoint(path)
-        engines = start_both(path)
-        turns = {label: [] for label in engines}
-        try:
-            engines["vLLM + ropepool"].ask(max_tokens=4)  # untimed warm-up turns
-            engines["vLLM alone"].ask(max_tokens=4)
-            for r in range(a.rounds):
-                for label in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-                    res = engines[label].ask(max_tokens=a.max_tokens)
-                    turns[label].append({"steps": res["steps"], "seconds": res["seconds"], "calls": res["calls"],
-                                         "plugin_loaded": res["plugin_loaded"]})
-            same = engines["vLLM + ropepool"].ask(max_tokens=a.max_tokens)["tokens"] == \
-                engines["vLLM alone"].ask(max_tokens=a.max_tokens)["tokens"]
-        finally:
-            for e in engines.values():
-                e.close()
-    s = summary(turns)
+        # Two sessions, each engine started first in one, half the rounds each: on this VM the engine started first
+        # ran its steps a few percent slower, whichever it was (two engines without ropepool, too): the record's
+        # ratios by engine started first show it.
+        for session, order in enumerate((ENGINES, ENGINES[::-1])):
+            engines = start_both(path, order)
+            try:
+                loaded = {label: e.ask(max_tokens=4)["plugin_loaded"] for label, e in engines.items()}  # warm-up
+                same = same and loaded == {"vLLM + ropepool": True, "vLLM alone": False}
+                for _ in range((a.rounds + 1 - session) // 2):
+                    out = run_round(engines, a.max_tokens, a.chunk)
+                    for label, res in out.items():
+                        turns[label].append({"steps": res["steps"], "calls": res["calls"],
+                                             "plugin_loaded": loaded[label], "started_first": order[0][0]})
+                    same = same and out["vLLM + ropepool"]["tokens"] == out["vLLM alone"]["tokens"]
+            finally:
+                for e in engines.values():
+                    e.close()
+    s, pair = summary(turns), paired(turns)
     rec = {"env": environment(a.note), "vllm_step": {
         "model": dict(CONFIG, family="llama", dtype="float32"), "prompts": len(PROMPT_LENGTHS),
-        "max_tokens": a.max_tokens, "rounds": a.rounds, "tokens_match": same, "summary": s, "turns": turns}}
+        "max_tokens": a.max_tokens, "rounds": a.rounds, "chunk_steps": a.chunk, "tokens_match": same,
+        "summary": s, "paired": pair, "turns": turns}}
     with open(a.out, "x") as f:  # records are added, never overwritten
         json.dump(rec, f, indent=1)
     for label, v in s.items():
         print(f"{label}: decode step {v['step_us_median']:.0f} us (IQR {v['step_us_q1']:.0f}-{v['step_us_q3']:.0f}, "
               f"{v['decode_steps']} steps); ropepool calls per layer and step {v['ropepool_calls_per_layer_step']:.2f},"
               f" share of the step {100 * v['ropepool_share_median']:.1f}%")
-    print(f"tokens match: {same}; record: {a.out}")
+    for first, q in [(None, pair), *pair["by_started_first"].items()]:
+        print(f"step with ropepool / without at the same step index{f' ({first} started first)' if first else ''}: "
+              f"median {q['ratio_median']:.3f}x (IQR {q['ratio_q1']:.3f}-{q['ratio_q3']:.3f}, {q['pairs']} pairs)")
+    print(f"tokens match (and the plugin loaded where expected): {same}; record: {a.out}")
     return 0
 
 

@@ -109,6 +109,26 @@ def test_new_record_joins_its_cell(tmp_path, recs):
     assert len([r for r in cell.history if r.record.code == first.code]) == len(old.runs) + len(mine)
 
 
+def test_demo_table_lists_each_record_of_the_code(tmp_path, recs):
+    """The CPU demo table gives, per model and dtype, the ratio of every demo record of the newest one's code (how
+    far a record's ratio moves on the machine), and names those records."""
+    from ropepool.cli.bench_blocks_runs import demo_ratio, demo_rows
+
+    dst = _copy_bench(tmp_path)
+    rec, rows = demo_rows(recs, "cpu")[("float32",)]
+    d = json.loads((dst / rec.file).read_text())
+    d["env"]["commit"] = rec.commit
+    for row in d["demo"]:
+        row["fused_cpu_s"] = [2 * x for x in row["fused_cpu_s"]]  # ropepool's tokens/s halved
+    (dst / "cpu-2099-01-01-demo-halved.json").write_text(json.dumps(d))
+    text = bench_summary.BLOCKS["demo-table"](Records(dst), "cpu")
+    row = rows[0]
+    line = next(x for x in text.splitlines() if x.startswith(f"| {row['family']} | float32 |"))
+    assert f"{demo_ratio(row, True):.2f}x" in line.split("|")[-2]
+    assert f"{demo_ratio(row, True) / 2:.2f}x" in line.split("|")[-2]
+    assert "cpu-2099-01-01-demo-halved.json" in text and rec.file in text
+
+
 def test_other_harness_record_is_kept_whole(tmp_path):
     """A record the cells do not read (an engine run) is kept for its block, with its provenance."""
     dst = _copy_bench(tmp_path)

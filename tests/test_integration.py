@@ -109,9 +109,9 @@ class Spy(StepSpy):
         super().__init__(model, attention_layers(model)[0])
         run_layer, op = attention.run_layer, attention.rope_pool_fused
 
-        def spy_run_layer(layer, q, k, v, kv):
+        def spy_run_layer(layer, q, k, v, kv, **kw):
             self._layer = layer
-            q_rot, k_rot = run_layer(layer, q, k, v, kv)
+            q_rot, k_rot = run_layer(layer, q, k, v, kv, **kw)
             self.calls.append({"layer": layer, "slots": kv.slots.clone(), "k_rot": k_rot.clone(), "v": v.clone()})
             return q_rot, k_rot
 

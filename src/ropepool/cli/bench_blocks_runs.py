@@ -176,14 +176,18 @@ def demo_table(recs: Records, device: str = "cpu") -> str:
     if not cpu:
         lines = [line.replace("| dtype |", "| dtype | requests |").replace("| --- | --- |", "| --- | --- | ---: |", 1)
                  for line in lines]
+    if cpu:  # the ratio in every record of the same code: how far one record's ratio moves on this machine
+        lines = [lines[0][:-1] + "| each record of this code |", lines[1] + " --- |"]
     for key in sorted(newest):
         for row in newest[key][1]:
             plain, fused = _tok_s(row, "plain", cpu), _tok_s(row, "fused", cpu)
             match = "identical" if row["identical"] else "diverge at a near-tie" if row["ok"] else "MISMATCH"
             model = row["family"] if cpu else f"{row['family']}, {envs[newest[key][0].file].get('layers', '?')} layers"
             count = "" if cpu else f" {row['requests']} |"
+            same = ", ".join(f"{demo_ratio(r, cpu):.2f}x" for _, rows in _same_code(recs, [newest[key]]) for r in rows
+                             if (r["family"], r["dtype"]) == (row["family"], row["dtype"])) + " |"
             lines.append(f"| {model} | {key[0]} |{count} {_fmt(plain)} | {_fmt(fused)} | {demo_ratio(row, cpu):.2f}x "
-                         f"| {match} |")
+                         f"| {match} |" + (f" {same}" if cpu else ""))
     runs = len(next(iter(newest.values()))[1][0]["plain_s"])
     clock = "process CPU time" if cpu else "wall time"
     requests = sorted({len(e.get("prompts", ())) for e in envs.values()})
@@ -191,7 +195,15 @@ def demo_table(recs: Records, device: str = "cpu") -> str:
     return (f"Tokens/s of {clock}, median (min-max) of {runs} interleaved runs of each path after an untimed "
             f"one; {' or '.join(map(str, requests))} requests x {' or '.join(map(str, new_tokens))} new tokens"
             f"{' a model' if cpu else ''}:\n\n" + "\n".join(lines) + "\n\n"
-            + sources(rec for rec, _ in newest.values()))
+            + sources({rec for rec, _ in newest.values()} | {rec for rec, _ in _same_code(recs, newest.values())
+                                                                 if cpu}))
+
+
+def _same_code(recs: Records, newest) -> list:
+    """(record, its rows) of every CPU demo record of the code of ``newest`` ((record, rows) pairs), by file name."""
+    codes = {rec.code for rec, _ in newest}
+    return [(rec, d.get("demo", [])) for rec, d in sorted(recs.others("*-demo-*.json"), key=lambda run: run[0].file)
+            if rec.code in codes and d["env"].get("device") == "cpu"]
 
 
 def _newest(runs: list, pattern: str, n: int = 3) -> tuple[list, str]:
@@ -248,12 +260,26 @@ def vllm_step(recs: Records) -> str:
                "inside those calls over the step's.")
     shown, older = _newest(runs, "*-vllm-step*.json")
     earlier = "".join(f"\n\nEarlier, `{prev.file}`: {_one_line(pd['vllm_step'])}" for prev, pd in shown[:-1]) + older
+    turns = (f"{r['rounds']} rounds of the same requests in each engine, the engines taking turns every "
+             f"{r['chunk_steps']} engine steps (ABBA), each engine started first in half the rounds"
+             if "chunk_steps" in r else f"{r['rounds']} turns of each engine interleaved")
     return (f"A {m['num_hidden_layers']}-layer {m['family']} (hidden {m['hidden_size']}, {m['num_attention_heads']}"
             f"/{m['num_key_value_heads']} heads, {m['dtype']}, random weights), {r['prompts']} requests decoding "
-            f"{r['max_tokens']} tokens a turn, {r['rounds']} turns of each engine interleaved; a step is vLLM's "
+            f"{r['max_tokens']} tokens a turn, {turns}; a step is vLLM's "
             "`EngineCore.step` (schedule, forward, sample, update), wall time in the engine's process; tokens "
             f"{'identical' if r['tokens_match'] else 'DIFFERENT'} with and without ropepool. {verdict}\n\n"
-            + "\n".join(lines) + earlier + "\n\n" + sources(rec for rec, _ in shown))
+            + "\n".join(lines) + _paired(r) + earlier + "\n\n" + sources(rec for rec, _ in shown))
+
+
+def _paired(r: dict) -> str:
+    """The paired ratio of a record that has one: the two engines' steps at the same index of the same round."""
+    p = r.get("paired")
+    if p is None:
+        return ""
+    by = "; ".join(f"{q['ratio_median']:.3f}x where {first} was started first ({q['pairs']} pairs)"
+                   for first, q in p["by_started_first"].items())
+    return (f"\n\nStep with ropepool / step without, at the same step index of the same round: median "
+            f"{p['ratio_median']:.3f}x (IQR {p['ratio_q1']:.3f}-{p['ratio_q3']:.3f}, {p['pairs']} pairs); {by}.")
 
 
 def _call_us(r: dict) -> float:
@@ -267,7 +293,8 @@ def _one_line(r: dict) -> str:
     a, b = s["vLLM + ropepool"], s["vLLM alone"]
     return (f"{a['step_us_median']:,.0f} µs with the plugin loaded, {b['step_us_median']:,.0f} µs without "
             f"({a['step_us_median'] / b['step_us_median']:.3f}x), {a['ropepool_calls_per_layer_step']:.2f} ropepool "
-            f"calls per layer and step, tokens {'identical' if r['tokens_match'] else 'DIFFERENT'}.")
+            f"calls per layer and step, tokens {'identical' if r['tokens_match'] else 'DIFFERENT'}"
+            + (f"; paired ratio {r['paired']['ratio_median']:.3f}x." if "paired" in r else "."))
 
 
 # --- the README's headline ---------------------------------------------------

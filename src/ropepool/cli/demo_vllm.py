@@ -129,10 +129,27 @@ def child(path: str) -> None:
     wrapped = meter.wrap_ropepool()
     meter.wrap_steps(llm.llm_engine.engine_core.engine_core)
     say({"ready_s": time.perf_counter() - t0, "wrapped": wrapped})
+    finished: dict = {}  # request id -> token ids, of the requests "enqueue" queued that finished
     for line in sys.stdin:
         cmd = json.loads(line)
         meter.steps.clear()
         calls = meter.calls
+        if "enqueue" in cmd:  # the prompts queued, no step run: "steps" runs them a few engine steps at a time
+            params = SamplingParams(max_tokens=cmd["enqueue"], temperature=0.0, ignore_eos=True)
+            finished.clear()
+            say({"queued": len(llm.enqueue(prompts(), params, use_tqdm=False))})
+            continue
+        if "steps" in cmd:  # up to n engine steps of the queued requests (vLLM's public LLMEngine.step)
+            engine = llm.llm_engine
+            for _ in range(cmd["steps"]):
+                if not engine.has_unfinished_requests():
+                    break
+                finished.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
+            done = not engine.has_unfinished_requests()
+            # in the prompts' order: vLLM numbers requests as it queues them (LLM._run_engine sorts them so too)
+            say({"steps": meter.steps, "calls": meter.calls - calls, "done": done,
+                 "tokens": [finished[k] for k in sorted(finished, key=int)] if done else None})
+            continue
         params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
         t = time.perf_counter()
         outs = llm.generate(prompts(cmd.get("prompts", len(PROMPT_LENGTHS))), params, use_tqdm=False)
@@ -198,10 +215,14 @@ class Engine:
                 self.proc.kill()
 
 
-def start_both(path: str) -> dict:
-    """The two engines, started one after the other (two cores: one start at a time), progress shown."""
+ENGINES = (("vLLM + ropepool", True), ("vLLM alone", False))
+
+
+def start_both(path: str, order=ENGINES) -> dict:
+    """The two engines, started one after the other in ``order`` (two cores: one start at a time), progress
+    shown."""
     engines = {}
-    for label, ropepool in (("vLLM + ropepool", True), ("vLLM alone", False)):
+    for label, ropepool in order:
         print(f"{label}: starting the engine (its own process)", flush=True)
         engines[label] = e = Engine(path, label, ropepool)
         print(f"{label}: ready in {e.answer()['ready_s']:.0f} s", flush=True)

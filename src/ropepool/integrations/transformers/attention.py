@@ -92,22 +92,27 @@ def fused_step(layer, cache, query, key, value, kwargs):
     """q/k norm, RoPE and the cache write in one ``rope_pool_fused`` call, then the rows attention reads.
 
     ``query``, ``key``, ``value``: ``[1, heads, T, head_dim]`` as transformers hands them to attention
-    (unrotated, unnormalised); returns q rotated in that layout and (K, V) of every row read as
-    ``[rows, heads, head_dim]``. The step's positions and slots are worked out once per step, for all layers.
+    (unrotated, unnormalised); returns ``query`` (normalised and) rotated in place and (K, V) of every row read
+    as ``[rows, heads, head_dim]``. The step's positions and slots are worked out once per step, for all layers.
     """
-    # [1, heads, T, D] <-> [T, heads, D] views, written out: this runs per layer and step
+    # [1, heads, T, D] -> [T, heads, D] views, written out: this runs per layer and step
     q, k, v = query.select(0, 0).transpose(0, 1), key.select(0, 0).transpose(0, 1), value.select(0, 0).transpose(0, 1)
     kv = paged.layer_kv(cache, layer.index, kwargs)
     old = kv.read_before_write()
-    q_rot, k_rot = run_layer(layer, q, k, v, kv)
-    return q_rot.transpose(0, 1).unsqueeze(0), kv.read(old, k_rot, v)
+    # q and k are the layer's own projections, read by nothing after attention: rotated in place (docs/api.md:
+    # q_out / k_out may be q and k), no new q_rot / k_rot nor q's views back (2-3% of a demo run's CPU time on
+    # the dev VM, measured against new tensors)
+    run_layer(layer, q, k, v, kv, in_place=True)
+    return query, kv.read(old, k, v)
 
 
-_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Layer -> (layout, k_pool, v_pool, rope, runner)
+# Layer -> (layout, k_pool, v_pool, rope, runner, in place)
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def run_layer(layer, q, k, v, kv) -> tuple:
-    """``rope_pool_fused``'s q_rot and k_rot for one layer, the pools of ``kv`` written.
+def run_layer(layer, q, k, v, kv, in_place: bool = False) -> tuple:
+    """``rope_pool_fused``'s q_rot and k_rot for one layer, the pools of ``kv`` written (``in_place``: into q and
+    k themselves, which are returned).
 
     The first call of a layer's layout goes through ``rope_pool_fused`` (checked in full, bound, remembered);
     later calls of the same layout call its bound runner directly, skipping the api's keyword handling and
@@ -119,31 +124,33 @@ def run_layer(layer, q, k, v, kv) -> tuple:
     rotation is the model's cos/sin table (``model.cpu_table``: rows made once, not per layer), the same object
     until a step reaches past its rows."""
     pos, slots, k_pool, v_pool = kv.positions, kv.slots, kv.k_pool, kv.v_pool
+    q_out, k_out = (q, k) if in_place else (None, None)
     rope = cpu_table(layer.rope, kv.top) if q.device.type == "cpu" else layer.rope
     bound = _BOUND.get(layer)
-    if bound is not None and bound[1] is k_pool and bound[2] is v_pool and bound[3] is rope:
+    if bound is not None and bound[1] is k_pool and bound[2] is v_pool and bound[3] is rope and \
+            bound[5] is in_place:
         if bound[0] is None:  # the CPU kernel's runner compares the layout and checks the values itself
             if not (q.requires_grad or k.requires_grad or v.requires_grad):
                 try:
-                    return bound[4](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
+                    return bound[4](q, k, v, pos, slots, k_pool, v_pool, q_out, k_out)[:2]
                 except OtherLayout:  # nothing done: checked in full below
                     pass
         elif bound[0] == _layout(q, k, v, kv):
             check_values(pos, slots, k_pool.shape[0])
-            return bound[4](q, k, v, pos, slots, k_pool, v_pool, None, None)[:2]
+            return bound[4](q, k, v, pos, slots, k_pool, v_pool, q_out, k_out)[:2]
     keywords = dict(head_dim=q.shape[-1], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=rope,
                     qk_norm=layer.norm, backend=layer.backend)
-    q_rot, k_rot, _, _ = rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, **keywords)
+    q_rot, k_rot, _, _ = rope_pool_fused(q, k, v, pos, slots, k_pool, v_pool, q_out=q_out, k_out=k_out, **keywords)
     # The runner that call remembered (None where the layout cache keeps none: every call then checks in full).
     scalars = plan.pool_key(keywords["head_dim"], keywords["num_qo_heads"], keywords["num_kv_heads"], 10000.0,
-                            rope, None, None, None, None, None, None, layer.backend, layer.norm, None, None,
+                            rope, None, None, None, None, q_out, k_out, layer.backend, layer.norm, None, None,
                             None, None, q, k)
     # (with its guards: by the key alone the layout cache may give another layout's runner that checks its own)
-    runner = plan.lookup(scalars, (q, k, v, pos, slots, k_pool, v_pool, None, None), fast=False)
+    runner = plan.lookup(scalars, (q, k, v, pos, slots, k_pool, v_pool, q_out, k_out), fast=False)
     if runner is not None and k_pool.dtype == q.dtype and k_pool.data_ptr() != v_pool.data_ptr():
         owner = getattr(runner, "__self__", None)
         self_checked = getattr(owner, "checks_layout", False) and getattr(owner, "checks_values", False)
-        _BOUND[layer] = (None if self_checked else _layout(q, k, v, kv), k_pool, v_pool, rope, runner)
+        _BOUND[layer] = (None if self_checked else _layout(q, k, v, kv), k_pool, v_pool, rope, runner, in_place)
     return q_rot, k_rot
 
 
