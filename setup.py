@@ -17,7 +17,7 @@ def _native() -> list:
                   library_dirs=[lib.rsplit("/", 1)[0]], language="c++", optional=True)
     return [Extension(
         "ropepool.native._rope_native",
-        sources=["src/ropepool/native/rope_ffi.cc"],
+        sources=["src/ropepool/native/rope_ffi.cc", "src/ropepool/native/rope_py.cc"],  # (rope_py: Python.h's)
         depends=["src/ropepool/native/rope_kernel.h", "src/ropepool/native/layout.h"],
         libraries=["tvm_ffi"],
         # -ffp-contract=off: no fused multiply-add, so the rotation rounds as the torch ops do (docs/precision.md)

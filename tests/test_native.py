@@ -466,3 +466,36 @@ def test_a_steps_skipped_slots_per_array(rng):
             run_checked(X, q, k, v, positions, slots, poison(make_cache(rng, "float32", P, Hkv, D), slots.numpy()))
     finally:
         STEP.begin()
+
+
+@pytest.mark.skipif(torch_native.native.entry(getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)) is None,
+                    reason="no CPython entry here (a torch without the DLPack exchange API)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cpython_entry_and_tvm_ffis_call_agree(dtype, monkeypatch):
+    """Runners call the kernel through its CPython entry (native/rope_py.cc) where torch has the DLPack exchange
+    API; tvm-ffi's call of the same function (the runner's without it) writes the same bytes, and both raise the
+    kernel's errors with its message and kind."""
+    native = torch_native.native
+    entry = native.entry(torch.Tensor.__dlpack_c_exchange_api__)
+    T, Hq, Hkv, D, P = 3, 4, 2, 64, 16
+    got = {}
+    for way in ("entry", "tvm-ffi"):
+        if way == "tvm-ffi":
+            monkeypatch.setitem(native._state, "entry", None)
+        plan.forget()
+        rng = np.random.default_rng(0)
+        q, k, v = fused_qkv(rng, T, Hq, Hkv, D, dtype)
+        pools = [torch.full((P // 4, 4, Hkv, D), float("nan"), dtype=q.dtype) for _ in range(2)]
+        positions, slots = torch.tensor([5, 900, 3]), torch.tensor([7, -1, 12])
+        kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hkv, kv_layout="NHD")
+        for _ in range(2):  # the first call binds, the second is the layout cache's key-only hit
+            q_rot, k_rot, _, _ = ropepool.rope_pool_fused(q, k, v, positions, slots, *pools, **kw)
+        run = plan.lookup(plan.pool_key(D, Hq, Hkv, 10000.0, None, None, None, None, "NHD", None, None, None, None,
+                                        None, None, None, None, q, k), (q, k, v, positions, slots, *pools, None, None))
+        assert run.__self__.fn is (entry.rope_pool if way == "entry" else native.kernel().rope_pool)
+        got[way] = [x.view(torch.uint8).clone() for x in (q_rot, k_rot, *pools)]
+        args = (q, k, v, positions, slots, *pools, q_rot, k_rot, run.__self__.table)
+        with pytest.raises(ValueError, match="cfg: the address of an int64"):
+            run.__self__.fn(*args, 0)
+    for a, b in zip(got["entry"], got["tvm-ffi"]):
+        assert torch.equal(a, b)

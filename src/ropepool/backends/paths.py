@@ -11,6 +11,9 @@ In a backend, one line where the fast path runs, and nowhere else::
     ...
     paths.took("mlx.compiled")  # one call ran the compiled decode graph
 
+(or, where a call costs only microseconds, ``_calls = paths.cell("torch_native.call")`` once and
+``_calls[0] += 1`` there.)
+
 Count in plain Python, outside traced or compiled code (there it would run
 once per trace, not once per call), and only after the point where a fallback
 can no longer take over, so that the count means the path did the work.
@@ -44,6 +47,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 _COUNTS: Counter = Counter()
+_CELLS: dict = {}  # path -> [count]: the paths counted through ``cell``
 
 
 def took(path: str, n: int = 1) -> None:
@@ -51,17 +55,27 @@ def took(path: str, n: int = 1) -> None:
     _COUNTS[path] += n
 
 
+def cell(path: str) -> list:
+    """A one-element list counting ``path``, for a path whose whole call costs a few microseconds: ``cell[0] += 1``
+    costs ~0.03 us where ``took`` costs ~0.17 (a function call and a Counter's item). Counted as ``took``'s."""
+    return _CELLS.setdefault(path, [0])
+
+
+def _counts() -> Counter:
+    return _COUNTS + Counter({path: c[0] for path, c in _CELLS.items()})
+
+
 def count(path: str) -> int:
     """How many times ``path`` has run in this process."""
-    return _COUNTS[path]
+    return _COUNTS[path] + _CELLS.get(path, (0,))[0]
 
 
 @contextmanager
 def counting() -> Iterator[Counter]:
     """A Counter that, when the block ends, holds how many times each path ran inside the block."""
-    start = _COUNTS.copy()
+    start = _counts()
     seen: Counter = Counter()
     try:
         yield seen
     finally:
-        seen.update(_COUNTS - start)
+        seen.update(_counts() - start)

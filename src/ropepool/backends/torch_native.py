@@ -111,8 +111,17 @@ def cfg_names() -> tuple:
     return tuple(native.kernel().cfg_names().lower().split())
 
 
-_DENSE = torch.contiguous_format
+_empty_dense = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
+_calls = paths.cell("torch_native.call")
 _NONE = torch.zeros(1, 1)  # no table (a layer without RoPE): the kernel does not read it
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class Native:
@@ -125,7 +134,8 @@ class Native:
     def __init__(self, plan, arrays, tuning):
         call, rot, st = plan.call, plan.call.rotation, plan.stores
         self.call, self.rot, self.tuning = call, rot, tuning
-        self.fn = native.kernel().rope_pool
+        entry = native.entry(getattr(torch.Tensor, "__dlpack_c_exchange_api__", None))
+        self.fn = native.kernel().rope_pool if entry is None else entry.rope_pool
         norm = call.norm
         ex = extras(plan.fixed, torch.device("cpu"))
         r, half = rot.rotary_dim, rot.rotary_dim // 2
@@ -156,11 +166,16 @@ class Native:
             if store.qmax:
                 values.update({f"{d}_scale_ptr": x.data_ptr(), f"{d}_scale_n": x.numel(),
                                f"{d}_scale_stride": x.stride(0), f"{d}_qmax": store.qmax})
+        # q_rot / k_rot: empty_like keeps q's strides where q is dense (~0.2 us cheaper than asking for contiguous
+        # ones); the same strides as asked for where q (whose strides the kernel compares) is laid out contiguously.
+        self.q_like, self.k_like = (torch.empty_like if x.stride() == _contiguous_strides(x.shape) else _empty_dense
+                                    for x in arrays[:2])
         self.cfg = self.bound(values, arrays)
         values.update(by_token=1, long_from=-1)  # cos/sin per call: arraymath's, longrope's set chosen there
         self.cfg_by_token = self.bound(values, arrays)
         self.at, self.at_by_token = self.cfg.data_ptr(), self.cfg_by_token.data_ptr()  # (kept alive by self)
         self.table = _table(self.freqs, rot.attention_scaling, 0, tuning) if self.own and not self.per_call else _NONE
+        self.fixed_table = not self.per_call and rot.table_ref is None  # else ``table_now`` per call
         # The layout cache skips its value check of calls this runner takes (plan/cache.py): the kernel finds a
         # slot past the pool or twice and a negative position, run raises validation's message. A position past
         # 2^24 (the precision warning) cannot hide in ropepool's table (fewer rows: run sees it) nor in an
@@ -169,8 +184,7 @@ class Native:
         self.checks_values = (self.own and not self.per_call) or (
             engine is not None and engine.shape[0] <= _PRECISE_POSITIONS + 1)
 
-    @staticmethod
-    def bound(values, arrays):
+    def bound(self, values, arrays):
         """cfg: ``values`` by the names the kernel gives its entries (rope_ffi.cc: ``cfg_names``, lower case; those
         not given are 0), then the layout of ``arrays`` (the call's) as the kernel records it."""
         kernel = native.kernel()
@@ -181,8 +195,8 @@ class Native:
                                 "rebuild the kernel from this checkout (`pip install -e .`).")
         cfg = torch.zeros(kernel.cfg_size(), dtype=torch.int64)
         cfg[:len(names)] = torch.tensor([int(values.get(n, 0)) for n in names], dtype=torch.int64)
-        outs = [torch.empty_like(x, memory_format=_DENSE) if out is None else out for x, out in zip(arrays[:2],
-                                                                                                      arrays[7:9])]
+        outs = [like(x) if out is None else out for like, x, out in zip((self.q_like, self.k_like), arrays[:2],
+                                                                        arrays[7:9])]
         kernel.bind(*arrays[:7], *outs, cfg.data_ptr())  # q_rot / k_rot as run makes them
         return cfg
 
@@ -190,20 +204,31 @@ class Native:
         """cos | sin ``[T, rotary_dim]`` for this call, as torch_eager computes them."""
         return torch.cat(arraymath.cos_sin(self.rot, positions, self.freqs, None, TorchOps)[:2], 1)
 
-    def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
-        # (empty_like: ~1.4 us where torch.empty(shape, dtype=) costs ~3)
-        q_rot = torch.empty_like(q, memory_format=_DENSE) if q_out is None else q_out
-        k_rot = torch.empty_like(k, memory_format=_DENSE) if k_out is None else k_out
-        cfg, table = self.at, self.table
+    def table_now(self, positions):
+        """The table of a runner whose table is not fixed (``fixed_table``): this call's rows, or the engine's."""
         if self.per_call:
-            table = self.per_token(positions)
-        elif self.rot.table_ref is not None:  # the engine's table: cos half, then sin half
-            table = self.rot.table
-            if table is None:
-                raise RopePoolError("the engine's cos/sin table of this rotation (a CosSinCache held weakly) was "
-                                    "freed; nothing was written. Fix: keep the table alive while layers that were "
-                                    "given it run (vLLM's rotary op holds its cos_sin_cache).")
-        done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)
+            return self.per_token(positions)
+        table = self.rot.table  # the engine's: cos half, then sin half
+        if table is None:
+            raise RopePoolError("the engine's cos/sin table of this rotation (a CosSinCache held weakly) was freed; "
+                                "nothing was written. Fix: keep the table alive while layers that were given it run "
+                                "(vLLM's rotary op holds its cos_sin_cache).")
+        return table
+
+    def run(self, q, k, v, positions, slots, k_pool, v_pool, q_out=None, k_out=None):
+        # Outputs as ``bound`` made them (empty_like: ~1.2 us where torch.empty(shape, dtype=) costs ~3); the kernel,
+        # then, where it did not finish (0), ``redo``. (The fewest Python operations a call: each costs tens of ns.)
+        q_rot = self.q_like(q) if q_out is None else q_out
+        k_rot = self.k_like(k) if k_out is None else k_out
+        table = self.table if self.fixed_table else self.table_now(positions)
+        done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, self.at)
+        if done:
+            self.redo(done, q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot)
+        _calls[0] += 1
+        return q_rot, k_rot, k_pool, v_pool
+
+    def redo(self, done, q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot):
+        """After a kernel call that did nothing (``done`` != 0): raise, or grow ropepool's table and call again."""
         if done == _OTHER_LAYOUT:
             raise OtherLayout("the CPU kernel was handed arrays of another layout than the one it was bound to; "
                               "nothing was written. Fix: report it (a bug of ropepool's), with the call's shapes and "
@@ -215,7 +240,8 @@ class Native:
             if grown is None:
                 table, cfg = self.per_token(positions), self.at_by_token
             else:
-                table = self.table = grown
+                table, cfg = grown, self.at
+                self.table = grown
             done = self.fn(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, table, cfg)
         if done != 0:  # a slot past the pool, a position outside the table (nothing written): validation's message
             table = self.rot.table
@@ -223,5 +249,3 @@ class Native:
             raise RopePoolError(f"the CPU kernel found a slot >= pool_size ({self.call.pool_size}) or a position < 0 "
                                 "or outside the cos/sin table that the value check passed; nothing was written. Fix: "
                                 "report it (a bug of ropepool's), with the call's slots and positions.")
-        paths.took("torch_native.call")
-        return q_rot, k_rot, k_pool, v_pool

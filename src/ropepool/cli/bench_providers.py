@@ -72,13 +72,12 @@ def flashinfer_modules():
 def providers(Hq, Hkv, D, device, layout):
     kv_layout, _, scale = LAYOUTS[layout]
     inv_freq = torch.tensor(ropepool.RopeSpec(head_dim=D, base=BASE).inv_freq, dtype=torch.float32, device=device)
-    extra = {} if scale is None else {"k_scale": scale, "v_scale": scale}
     flat = (lambda p: p) if kv_layout is None else (lambda p: p.view(-1, Hkv, D))  # contiguous NHD pages
 
-    def rp(s, kp, vp):
+    def rp(s, kp, vp):  # (keywords as written in code: no dict merged per call, ~0.5 us of a one-token call)
         return lambda: ropepool.rope_pool_fused(
             s["q"], s["k"], s["v"], s["positions"], s["slots"], kp, vp, head_dim=D, num_qo_heads=Hq,
-            num_kv_heads=Hkv, rope_base=BASE, kv_layout=kv_layout, **extra)
+            num_kv_heads=Hkv, rope_base=BASE, kv_layout=kv_layout, k_scale=scale, v_scale=scale)
 
     compiled = torch.compile(hf_rope_pool)
 

@@ -8,6 +8,7 @@ install, tvm-ffi missing): then one line on stderr names the fix, and the torch 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import sys
 
@@ -32,6 +33,25 @@ def kernel():
         if _state["module"] is None:
             print(f"ropepool: {_state['why']}", file=sys.stderr)
     return _state["module"]
+
+
+def entry(exchange_api):
+    """The kernel's CPython entry (rope_py.cc: ``rope_pool`` reading torch tensors through ``exchange_api``, torch's
+    ``Tensor.__dlpack_c_exchange_api__``), or None (no kernel, a build without it): the same function as
+    ``kernel().rope_pool``, ~0.9 us cheaper a one-token call (rope_py.cc)."""
+    if "entry" not in _state:
+        _state["entry"] = None
+        path = library()
+        if kernel() is not None and path is not None:
+            try:  # the same library, imported as the extension module it also is
+                spec = importlib.util.spec_from_file_location(f"{__name__}._rope_native", path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                module.use(exchange_api)
+                _state["entry"] = module
+            except Exception:  # (ImportError: a build without the entry; ValueError: another DLPack)
+                pass
+    return _state["entry"]
 
 
 def why() -> str | None:
