@@ -18,7 +18,7 @@ def _native() -> list:
     return [Extension(
         "ropepool.native._rope_native",
         sources=["src/ropepool/native/rope_ffi.cc", "src/ropepool/native/rope_py.cc"],  # (rope_py: Python.h's)
-        depends=["src/ropepool/native/rope_kernel.h", "src/ropepool/native/layout.h"],
+        depends=["src/ropepool/native/rope_kernel.h", "src/ropepool/native/convert.h", "src/ropepool/native/layout.h"],
         libraries=["tvm_ffi"],
         # -ffp-contract=off: no fused multiply-add, so the rotation rounds as the torch ops do (docs/precision.md)
         extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden"],
