@@ -152,9 +152,9 @@ def test_overwritten_record_is_read_at_its_last_write(recs):
 NOT_MEASURED = {"paths"}
 
 
-@pytest.mark.parametrize("kind,entry", [("cpu", "torch_native"), ("mlx", "mlx")])
+@pytest.mark.parametrize("kind,entry", [("cpu", "torch_native"), ("mlx", "mlx"), ("gpu", "triton_op")])
 def test_code_paths_cover_the_path(kind, entry):
-    """Every backend module the CPU / MLX path imports (transitively, within backends/) is in its
+    """Every backend module the CPU / MLX / GPU path imports (transitively, within backends/) is in its
     CODE_PATHS, so a change to the math it runs marks its records stale (†)."""
     import ast
 
@@ -170,6 +170,15 @@ def test_code_paths_cover_the_path(kind, entry):
                 todo += [node.module] if node.module else [a.name for a in node.names]
     listed = {p.rsplit("/", 1)[1].removesuffix(".py") for p in bench_records.CODE_PATHS[kind]}
     assert seen - NOT_MEASURED <= listed, f"{kind}: imported but not in CODE_PATHS: {seen - NOT_MEASURED - listed}"
+
+
+def test_code_paths_cover_the_native_sources():
+    """Every C++ source of the native libraries (the CPU kernel, the CUDA launcher) is in a device's
+    CODE_PATHS: a change to it marks the records of the code it builds stale (†)."""
+    listed = set(bench_records.CODE_PATHS["cpu"]) | set(bench_records.CODE_PATHS["gpu"])
+    native = ROOT / "src" / "ropepool" / "native"
+    files = {f"src/ropepool/native/{p.name}" for p in (*native.glob("*.cc"), *native.glob("*.h"))}
+    assert files <= listed, files - listed
 
 
 def test_serving_records_follow_the_integration():

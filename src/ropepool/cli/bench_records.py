@@ -42,10 +42,14 @@ BENCH = ROOT / "docs" / "bench"
 # docstrings, and would mark every row.)
 CODE_PATHS = {
     "gpu": ["src/ropepool/backends/triton_kernel.py", "src/ropepool/backends/triton_op.py",
-            "src/ropepool/backends/triton_launch.py", "src/ropepool/backends/triton_stores.py"],
+            "src/ropepool/backends/triton_launch.py", "src/ropepool/backends/triton_stores.py",
+            "src/ropepool/backends/triton_native.py", "src/ropepool/native/triton_launch.cc",
+            "src/ropepool/native/layout.h", "src/ropepool/core/args.py", "src/ropepool/backends/torch_arrays.py",
+            "src/ropepool/backends/arraymath.py"],
     # (the torch_cpu*.py modules: the CPU path before the native kernel, listed so that records of their code
     # keep telling their commits apart)
-    "cpu": ["src/ropepool/native/rope_kernel.h", "src/ropepool/native/rope_ffi.cc",
+    "cpu": ["src/ropepool/native/rope_kernel.h", "src/ropepool/native/convert.h", "src/ropepool/native/layout.h",
+            "src/ropepool/native/rope_ffi.cc", "src/ropepool/native/rope_py.cc",
             "src/ropepool/backends/torch_native.py", "src/ropepool/backends/torch_eager.py",
             "src/ropepool/backends/torch_cpu.py", "src/ropepool/backends/torch_cpu_compiled.py",
             "src/ropepool/backends/torch_cpu_one_token.py", "src/ropepool/backends/torch_cpu_norm.py",

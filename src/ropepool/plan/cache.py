@@ -178,7 +178,7 @@ def remember(scalars: tuple, arrays: tuple, call: validate.Call, run: Callable) 
     owner = getattr(run, "__self__", run)  # a bound method's object, or the runner itself (triton_launch.Launch)
     values = call if call.host_values and not getattr(owner, "checks_values", False) else None
     # A runner that checks its own layout, bound to plain tensors, needing no value check here: found by the key
-    # alone (_fast) from now on. ``checks_layout`` is read again at each guarded hit: the CUDA launcher checks the
+    # alone (``lookup``) from now on. ``checks_layout`` is read again at each guarded hit: the CUDA launcher checks the
     # layout once its kernel is compiled, after its first call.
     fast = owner if values is None and not call.autograd and all(type(x) is torch.Tensor for x in tensors) else None
     entries.append((guard, run, values, fast))
