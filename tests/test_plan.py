@@ -219,6 +219,19 @@ def test_kernel_arguments_follow_one_declaration():
     assert graph == list(plan.ARRAYS[:7] + mlx.READS) and set(mlx.READS) <= set(plan.EXTRAS)
 
 
+def test_native_runners_share_the_python_constants():
+    """The native runners' array count and "other layout" answer (native/layout.h) are core/args.py's."""
+    import pathlib
+    import re
+
+    from ropepool.core import args
+
+    header = (pathlib.Path(ropepool.__file__).parent / "native" / "layout.h").read_text()
+    consts = dict(re.findall(r"constexpr int(?:64_t)? (NUM_ARRAYS|OTHER_LAYOUT) = (-?\d+);", header))
+    assert int(consts["NUM_ARRAYS"]) == len(args.ARRAYS)
+    assert int(consts["OTHER_LAYOUT"]) == args.OTHER_LAYOUT
+
+
 def test_plan_extras_read_held_arrays_now():
     table = torch.zeros(64, D)
     built = build(rope=CosSinCache(table))

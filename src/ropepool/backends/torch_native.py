@@ -29,6 +29,7 @@ import torch
 from .. import native
 from ..checks.validate import check_host_values
 from ..checks.values import _PRECISE_POSITIONS, check_values
+from ..core.args import OTHER_LAYOUT
 from ..core.layout import KV_LAYOUTS
 from ..errors import OtherLayout, RopePoolError
 from . import arraymath, paths
@@ -36,7 +37,6 @@ from .torch_arrays import TorchOps, extras
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAX_DIM = 2048  # rope_kernel.h MAX_DIM
-_OTHER_LAYOUT = -2  # rope_ffi.cc OTHER_LAYOUT: the arrays are not laid out as those bound (nothing done)
 # (frequencies' bytes, attention scaling) -> float32 [positions, sets * rotary_dim]: per frequency set its cos
 # then its sin columns; equal rotations share one. Past _TABLE_BYTES every table is dropped (regrown on demand).
 _TABLES: dict = {}
@@ -229,7 +229,7 @@ class Native:
 
     def redo(self, done, q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot):
         """After a kernel call that did nothing (``done`` != 0): raise, or grow ropepool's table and call again."""
-        if done == _OTHER_LAYOUT:
+        if done == OTHER_LAYOUT:
             raise OtherLayout("the CPU kernel was handed arrays of another layout than the one it was bound to; "
                               "nothing was written. Fix: report it (a bug of ropepool's), with the call's shapes and "
                               "strides.")

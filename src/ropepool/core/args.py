@@ -13,6 +13,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 ARRAYS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_out", "k_out")
+# What a native runner (the CPU kernel, the CUDA launcher) returns for arrays not laid out as those it was bound
+# to, having read and written nothing: native/layout.h's OTHER_LAYOUT (tests/test_plan.py compares them).
+OTHER_LAYOUT = -2
 
 
 class Extras(NamedTuple):
