@@ -9,10 +9,11 @@ bare Triton launch of a one-element kernel (``bump[(1,)](x)`` through the JIT, a
 both timed round-robin in one process. Each figure is the median over rounds
 of the best-of-5 per-call time of back-to-back calls (the GPU work of these
 small calls is shorter than their host time, so the loop is host-bound).
-Parts of a call (cache lookup, allocations, the launch) are timed the
-same way, for where the time goes ("cache lookup": by the call's key alone, as
-a call finds a runner that checks its own layout; "with guards": the
-layout compared in Python or by dynamo's guards). Where the native launcher runs
+Parts of a call (cache lookup, allocations, the launch, and the launch through
+the custom op that compiled calls run) are timed the same way, for where the
+time goes ("cache lookup": by the call's key alone, as a call finds a runner
+that checks its own layout; "with guards": the layout compared in Python or by
+dynamo's guards). Where the native launcher runs
 (backends/triton_native.py), every call and the launch are timed again
 through Triton's own launcher ("Triton's launcher": the native launcher
 still compares the layout, then Triton launches), round-robin with the
@@ -80,6 +81,11 @@ def parts_of_a_call(T, args, kw):
                                                     torch.empty_like(k, memory_format=contiguous)),
         f"  launch, outputs given T={T}": lambda: launch(*args, qo, ko),
     }
+    # The custom op that compiled calls run (backends/triton_op.py), called eagerly with the same arrays: what an
+    # eager call would cost through it.
+    prepared = plan.make(validate.check(*args, **kw), q, "triton").prepared
+    op_args = (*args, qo, ko, None, *prepared.extras(q.device), *prepared.launcher.args())
+    parts[f"  the custom op, outputs given T={T}"] = lambda: torch.ops.ropepool.rope_pool(*op_args)
     if launch.native is not None:
         parts[f"  launch, outputs given T={T}, Triton's launcher"] = parts[f"  launch, outputs given T={T}"]
     return launch, parts

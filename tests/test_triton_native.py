@@ -11,7 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import ropepool.native  # noqa: E402
 from ropepool.backends import triton_native  # noqa: E402
+from ropepool.core.args import OTHER_LAYOUT  # noqa: E402
 
 ARRAYS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_out", "k_out")
 
@@ -46,7 +48,7 @@ def test_spec_declines_kernels_it_does_not_launch(extra, args, meta):
 
 
 def _built():
-    built = glob.glob(os.path.join(triton_native._HERE, "_triton_launch*.so"))
+    built = glob.glob(os.path.join(os.path.dirname(ropepool.native.__file__), "_triton_launch*.so"))
     if not built or not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
         pytest.skip("the native launcher is not built here, or this torch has no DLPack exchange API")
     pytest.importorskip("tvm_ffi")
@@ -103,7 +105,7 @@ def test_launcher_checks_the_layout_before_anything():
     for T in (2, 4, 100):  # (not 1: a one-token view of the projection has other strides, its own layout)
         assert launch(True, *_arrays(T)) == triton_native.DECLINED
     for what, arrays in _other_layouts():
-        assert launch(True, *arrays) == triton_native.OTHER_LAYOUT, what
+        assert launch(True, *arrays) == OTHER_LAYOUT, what
 
 
 class _Launcher:

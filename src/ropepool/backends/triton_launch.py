@@ -13,6 +13,7 @@ import inspect
 import torch
 import triton
 
+from ..core.args import OTHER_LAYOUT
 from ..errors import OtherLayout
 from . import triton_native
 from .triton_kernel import INTERPRET, rope_pool_kernel
@@ -28,7 +29,7 @@ _stream_of = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() els
 # Read on every eager call: looked up once (a profiler sets its hooks on this object, not a new one).
 _RUNTIME = triton.knobs.runtime if hasattr(triton, "knobs") else None
 _empty_like, _CONTIGUOUS = torch.empty_like, torch.contiguous_format
-_LAUNCHED, _OTHER_LAYOUT = triton_native.LAUNCHED, triton_native.OTHER_LAYOUT
+_LAUNCHED = triton_native.LAUNCHED
 
 
 class Launch:
@@ -90,7 +91,7 @@ class Launch:
             done = native(not _hooked(_RUNTIME), q, k, v, positions, slots, k_pool, v_pool, q_out, k_out)
             if done == _LAUNCHED:
                 return q_out, k_out, k_pool, v_pool
-            if done == _OTHER_LAYOUT:
+            if done == OTHER_LAYOUT:
                 raise OtherLayout("the native CUDA launcher was handed arrays of another layout than the one it was "
                                   "made for; nothing was written. Fix: report it (a bug of ropepool's), with the "
                                   "call's shapes and strides.")

@@ -1,31 +1,30 @@
-"""The eager CUDA call's launch in one C++ call: native/triton_launch.cc, through apache-tvm-ffi.
+"""The eager CUDA call's launch in one C++ call: native/triton_launch.cc.
 
 Triton's launcher takes every kernel argument as a Python object on every
 call (about 30 here); the native launcher is given the compiled kernel's
 handle and every argument that does not change for a layout once
 (``spec``), with the layout of the arrays it is made for, and each call
-passes the 9 arrays as tensors. It compares them with that layout before it
-does anything (``OTHER_LAYOUT``: the layout cache may then hand it calls by
-their key alone, plan/cache.py) and launches on torch's current stream,
-which tvm-ffi reads for the call. It is used where it can be: a built
-``_triton_launch``, tvm-ffi, a torch with the DLPack C exchange API (on an
-older torch, importing tvm-ffi would try to compile an add-on for it), and a
-compiled kernel this launcher understands (checked here from its signature
-and metadata). Anywhere else ``make`` returns None and Triton's launch runs.
+passes the 9 arrays as tensors, which it reads through torch's DLPack
+exchange API without owning them. It compares them with that layout before
+it does anything (``OTHER_LAYOUT``: the layout cache may then hand it calls by
+their key alone, plan/cache.py) and launches on torch's current stream, read
+through the same API. It is used where it can be: a built ``_triton_launch``,
+apache-tvm-ffi (whose library its layout check links), a torch with the
+DLPack C exchange API, and a compiled kernel this launcher understands
+(checked here from its signature and metadata). Anywhere else ``make``
+returns None and Triton's launch runs.
 """
 from __future__ import annotations
 
-import glob
-import os
-
 import torch
 
-_HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
+from ..core.args import ARRAYS as _ARRAYS
+
 _state: dict = {}
-ARRAYS = 9  # q, k, v, positions, slots, k_pool, v_pool, q_out, k_out: the kernel's first parameters
+ARRAYS = len(_ARRAYS)  # q, k, v, positions, slots, k_pool, v_pool, q_out, k_out: the kernel's first parameters
 # What a launcher's call returns (native/triton_launch.cc): launched; nothing done, Triton's launch to run;
-# nothing done, the arrays laid out otherwise than those it was made for.
-LAUNCHED, DECLINED, OTHER_LAYOUT = 1, 0, -2
+# nothing done, the arrays laid out otherwise than those it was made for (core/args.py).
+LAUNCHED, DECLINED = 1, 0
 _INTS = {"i32": 32, "i64": 64, "u32": 32, "u64": 64}
 
 
@@ -37,15 +36,18 @@ def module():
 
 
 def _load():
-    found = sorted(glob.glob(os.path.join(_HERE, "_triton_launch*.so")))
-    # Checked before tvm-ffi is imported (see above).
-    if not found or not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+    exchange = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    if exchange is None:
         return None
     try:
         from ..native import _import_tvm_ffi
 
-        return _import_tvm_ffi().load_module(found[0])
-    except Exception:  # tvm-ffi missing, or a build for another tvm-ffi: Triton's launch runs
+        _import_tvm_ffi()  # (loads libtvm_ffi, which the module links, before the module)
+        from ..native import _triton_launch
+
+        _triton_launch.use(exchange)
+        return _triton_launch
+    except (ImportError, ValueError):  # not built, no tvm-ffi, another DLPack: Triton's launch runs
         return None
 
 
@@ -86,5 +88,5 @@ def make(small_tokens: int, specs: list, arrays: tuple):
         return None
     try:
         return mod.make(small_tokens, *(s or [] for s in specs), *arrays)
-    except Exception:  # arrays of more dims than a layout records (native/layout.h): Triton's launch runs
+    except ValueError:  # arrays of more dims than a layout records (native/layout.h): Triton's launch runs
         return None
