@@ -79,6 +79,8 @@ def _imports(path: pathlib.Path) -> set:
             base = package[:len(package) - node.level + 1]
             stem = base + tuple((node.module or "").split(".")) if node.module else base
             found |= {".".join(stem + ((a.name,) if not node.module else ())) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "ropepool":  # from ropepool import backends
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ropepool."):
             found.add(node.module.removeprefix("ropepool."))
         elif isinstance(node, ast.Import):
