@@ -7,8 +7,10 @@ Each round runs one fresh process per checkout (``PYTHONPATH`` = that checkout's
 rotating from round to round, so all see the same periods of a shared machine. A process times each
 case after a warm-up: ``LOOPS`` loops of ``CALLS`` back-to-back calls with the same arrays (the layout
 cache's hit path: what a decode step pays per layer), each loop's per-call µs a sample. A case's figure is
-the median of its samples over all rounds, with the 10th-90th percentile spread. ``--out`` writes the
-record (a new file; an existing one is refused).
+the median of its samples over all rounds, with the 10th-90th percentile spread. Each side's ratio to the
+first side is also taken round by round (the medians of one round, whose processes ran minutes apart at most):
+the median of those ratios and their 10th-90th percentile spread, which a load that comes and goes between
+rounds moves less than the pooled samples. ``--out`` writes the record (a new file; an existing one is refused).
 """
 import argparse
 import json
@@ -120,20 +122,25 @@ def main() -> int:
     sides = dict(s.split("=", 1) for s in a.side)
     names = list(sides)
     samples = {side: {c: [] for c in cases} for side in names}
+    rounds = {side: {c: [] for c in cases} for side in names}  # each round's median
     for r in range(a.rounds):
         for side in names[r % len(names):] + names[:r % len(names)]:
             for c, xs in run(sides[side], cases).items():
                 samples[side][c].extend(xs)
+                rounds[side][c].append(statistics.median(xs))
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
     rows = []
     for c in cases:
         for side in names:
             xs = samples[side][c]
+            ratios = [x / y for x, y in zip(rounds[side][c], rounds[names[0]][c])]
             rows.append({"case": c, "side": side, "src": sides[side], "median_us": round(statistics.median(xs), 3),
-                         "p10_us": round(pct(xs, 0.1), 3), "p90_us": round(pct(xs, 0.9), 3), "samples": len(xs)})
-        first = statistics.median(samples[names[0]][c])
-        print(f"{c:<22} " + "   ".join(f"{s} {statistics.median(samples[s][c]):8.2f} us "
-                                         f"({statistics.median(samples[s][c]) / first:.3f}x)" for s in names))
+                         "p10_us": round(pct(xs, 0.1), 3), "p90_us": round(pct(xs, 0.9), 3), "samples": len(xs),
+                         "round_ratio": round(statistics.median(ratios), 4),
+                         "round_ratio_p10": round(pct(ratios, 0.1), 4), "round_ratio_p90": round(pct(ratios, 0.9), 4)})
+        print(f"{c:<22} " + "   ".join(f"{r['side']} {r['median_us']:8.2f} us ({r['round_ratio']:.3f}x, "
+                                         f"{r['round_ratio_p10']:.3f}-{r['round_ratio_p90']:.3f})"
+                                         for r in rows[-len(names):]))
     if a.out:
         import numpy
 

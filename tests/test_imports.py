@@ -1,4 +1,5 @@
-"""The import structure: each module of ropepool imports first, and the lower floors never import upward.
+"""The code's structure: each module of ropepool imports first, the lower floors never import upward, and no
+source file is over 400 lines.
 
 - Each module under the public face is imported in a fresh interpreter before any other module of the
   package (the package's ``__init__.py``, which imports the public call and so everything, is replaced by an
@@ -79,6 +80,8 @@ def _imports(path: pathlib.Path) -> set:
             base = package[:len(package) - node.level + 1]
             stem = base + tuple((node.module or "").split(".")) if node.module else base
             found |= {".".join(stem + ((a.name,) if not node.module else ())) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "ropepool":  # from ropepool import backends
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ropepool."):
             found.add(node.module.removeprefix("ropepool."))
         elif isinstance(node, ast.Import):
@@ -94,3 +97,12 @@ def test_lower_floors_import_nothing_above_them(floor):
     upward = {f"{p.relative_to(SRC)} -> {m}" for p in files for m in _imports(p)
               if m.split(".")[0] not in allowed}
     assert not upward, sorted(upward)
+
+
+def test_no_source_file_over_400_lines():
+    """One module per concern keeps each file short enough to read whole: a file past 400 lines is split
+    along a concern, not squeezed."""
+    files = [p for p in SRC.rglob("*") if p.suffix in (".py", ".cc", ".h")]
+    assert len(files) > 50
+    long = {str(p.relative_to(SRC)): n for p in files if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
