@@ -122,7 +122,10 @@ def torch_device(parser, text):
                             dev.type == "mps" and mps):
         return dev
     here = ["cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(cuda)] if cuda else []) + (["mps"] if mps else [])
-    build = "" if torch.version.cuda else ", a CPU build"
+    if not (torch.version.cuda or torch.version.hip):
+        build = ", a CPU build"
+    else:  # a GPU build (CUDA or ROCm, both 'cuda' devices) on a machine where torch sees no GPU says so
+        build = "" if cuda else ", no GPU visible"
     parser.error(f"argument --device: {text!r} is not a device of this machine (torch {torch.__version__}{build}); "
                  f"valid here: {', '.join(here)}")
 
