@@ -28,6 +28,7 @@ import tempfile
 import time
 
 from ropepool.cli.demo_vllm import CONFIG, ENGINES, PROMPT_LENGTHS, start_both, write_checkpoint
+from ropepool.cli.paired import quartiles, turn
 
 
 def decode_steps(result: dict) -> list:
@@ -39,13 +40,9 @@ def paired(turns: dict) -> dict:
     """Step with ropepool over step without at each decode step index of each round: median and quartiles, over
     all rounds and per engine started first."""
     def ratios(first=None):
-        return sorted(a[0] / b[0] for ra, rb in zip(turns["vLLM + ropepool"], turns["vLLM alone"])
-                      if first in (None, ra.get("started_first"))
-                      for a, b in zip(ra["steps"], rb["steps"]) if a[3] == a[4] and b[3] == b[4])
-
-    def quartiles(xs):
-        n = len(xs)
-        return {"pairs": n, "ratio_median": statistics.median(xs), "ratio_q1": xs[n // 4], "ratio_q3": xs[3 * n // 4]}
+        return [a[0] / b[0] for ra, rb in zip(turns["vLLM + ropepool"], turns["vLLM alone"])
+                if first in (None, ra.get("started_first"))
+                for a, b in zip(ra["steps"], rb["steps"]) if a[3] == a[4] and b[3] == b[4]]
 
     out = quartiles(ratios())
     out["by_started_first"] = {label: quartiles(ratios(label)) for label, _ in ENGINES if ratios(label)}
@@ -59,7 +56,7 @@ def run_round(engines: dict, max_tokens: int, chunk: int) -> dict:
         e.ask(enqueue=max_tokens)
     out = {label: {"steps": [], "calls": 0, "tokens": None} for label in engines}
     for j in itertools.count():
-        labels = [k for k in (list(engines) if j % 2 == 0 else list(engines)[::-1]) if out[k]["tokens"] is None]
+        labels = [k for k in turn(j, *engines) if out[k]["tokens"] is None]
         if not labels:
             return out
         for label in labels:

@@ -129,6 +129,24 @@ def test_demo_table_lists_each_record_of_the_code(tmp_path, recs):
     assert "cpu-2099-01-01-demo-halved.json" in text and rec.file in text
 
 
+def test_demo_ratio_of_abba_turns_is_the_median_pair(tmp_path, recs):
+    """A demo record whose runs took ABBA turns (its rows name the path that ran first in each pair) gives the
+    median over pairs of neighbouring runs and its quartiles, not the ratio of the two medians; the text says so."""
+    from ropepool.cli.bench_blocks_runs import demo_rows
+
+    dst = _copy_bench(tmp_path)
+    rec, _ = demo_rows(recs, "cpu")[("float32",)]
+    d = json.loads((dst / rec.file).read_text())
+    d["env"]["commit"] = rec.commit
+    for row in d["demo"]:  # pair ratios 2.00x, 1.25x, 2.00x; the ratio of the medians 1.25x
+        row.update(plain_cpu_s=[1.0, 1.0, 2.0], fused_cpu_s=[0.5, 0.8, 1.0], first=["fused", "plain", "fused"])
+    (dst / "cpu-2099-01-01-demo-abba.json").write_text(json.dumps(d))
+    text = bench_summary.BLOCKS["demo-table"](Records(dst), "cpu")
+    line = next(x for x in text.splitlines() if x.startswith("| llama | float32 |"))
+    assert line.split("|")[5].strip() == "2.00x (1.25-2.00)"
+    assert "ABBA" in text and "median (quartiles) over the pairs of neighbouring runs" in text
+
+
 def test_other_harness_record_is_kept_whole(tmp_path):
     """A record the cells do not read (an engine run) is kept for its block, with its provenance."""
     dst = _copy_bench(tmp_path)

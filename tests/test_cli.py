@@ -184,6 +184,32 @@ def test_demo_at_a_geometry_writes_its_record(monkeypatch, tmp_path):
     assert len(row["plain_s"]) == len(row["fused_s"]) == 1
 
 
+@pytest.mark.skipif(not have("torch", "rich", "transformers"), reason="needs torch, transformers and rich")
+def test_demo_pairs_neighbouring_runs_in_abba_turns(monkeypatch):
+    """The demo's paths take turns ABBA after an untimed plain-then-ropepool turn, the record names the path
+    that ran first in each pair, and the ratio is the median over pairs of neighbouring runs, which a drift
+    between pairs does not move (the ratio of the two medians here: 0.37x)."""
+    from ropepool.cli import demo
+    from ropepool.integrations import transformers as rp
+
+    cpu = {"plain": [1.0, 1.0, 3.0, 1.0], "fused": [1.0, 0.9, 2.7, 3.0]}  # CPU seconds, the untimed turn first
+    ran = []
+
+    def run_batch(model, prompts, new_tokens, config, advance):
+        path = "fused" if rp.is_enabled(model) else "plain"
+        ran.append(path)
+        s = cpu[path][sum(p == path for p in ran) - 1]
+        return demo.Run([[1] * new_tokens], [[0.0] * new_tokens], s, s)
+
+    monkeypatch.setattr(demo, "run_batch", run_batch)
+    c = demo.compare("llama", repeats=3, new_tokens=2)
+    assert ran == ["plain", "fused", "fused", "plain", "plain", "fused", "fused", "plain"]
+    assert c.record()["first"] == ["fused", "plain", "fused"] and c.record()["plain_cpu_s"] == [1.0, 3.0, 1.0]
+    assert c.speedup == pytest.approx(1 / 0.9)  # pair ratios 1/0.9, 3/2.7, 1/3
+    assert (c.paired["ratio_q1"], c.paired["ratio_q3"]) == (pytest.approx(1 / 3), pytest.approx(1 / 0.9))
+    assert c.verdict == "faster, within spread"
+
+
 @pytest.mark.skipif(not have("mlx", "mlx_lm"), reason="needs mlx-lm")
 def test_mlx_demo_compares_like_with_like(monkeypatch):
     """mlx-lm decodes one prompt at a time, so the timed ropepool run beside it does too; the batched run is

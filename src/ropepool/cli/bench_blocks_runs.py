@@ -15,7 +15,9 @@ gives the README's command lines as ``benchmarks/readme_time.py`` timed them fro
 ropepool) prints, from the newest demo record of each dtype on that device
 (``docs/bench/*-demo-*.json``, written by ``ropepool demo --out``), each model's tokens/s as shipped and
 through ropepool: the median and min-max of the record's interleaved runs, of process CPU time on a CPU
-(wall time on a GPU), their ratio, and whether the tokens matched.
+(wall time on a GPU), their ratio, and whether the tokens matched. The ratio of a record whose runs took
+ABBA turns (its rows name the path that ran first in each pair) is the median and quartiles over the pairs
+of neighbouring runs (paired.py); of an older record, the ratio of the two medians.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import statistics
 
 from ropepool.cli.bench_records import Records
 from ropepool.cli.bench_summary import block, fmt_num, sources, span
+from ropepool.cli.paired import quartiles
 
 _MODES = {"graph": 0, "eager": 1}
 
@@ -159,9 +162,26 @@ def demo_rows(recs: Records, device: str = "cpu") -> dict:
     return newest
 
 
+def demo_paired(row: dict, cpu: bool) -> dict | None:
+    """Median and quartiles over the pairs of neighbouring runs of ropepool's tokens/s over transformers' (None:
+    a record from before the runs took ABBA turns)."""
+    if "first" not in row:
+        return None
+    return quartiles(f / p for p, f in zip(_tok_s(row, "plain", cpu), _tok_s(row, "fused", cpu)))
+
+
 def demo_ratio(row: dict, cpu: bool) -> float:
-    """ropepool's median tokens/s over transformers' in one model's runs."""
+    """ropepool's tokens/s over transformers' in one model's runs: the median pair's (older records: the ratio of
+    the medians)."""
+    q = demo_paired(row, cpu)
+    if q is not None:
+        return q["ratio_median"]
     return statistics.median(_tok_s(row, "fused", cpu)) / statistics.median(_tok_s(row, "plain", cpu))
+
+
+def _ratio(row: dict, cpu: bool) -> str:
+    q = demo_paired(row, cpu)
+    return f"{demo_ratio(row, cpu):.2f}x" + (f" ({q['ratio_q1']:.2f}-{q['ratio_q3']:.2f})" if q else "")
 
 
 @block("demo-table")
@@ -186,15 +206,20 @@ def demo_table(recs: Records, device: str = "cpu") -> str:
             count = "" if cpu else f" {row['requests']} |"
             same = ", ".join(f"{demo_ratio(r, cpu):.2f}x" for _, rows in _same_code(recs, [newest[key]]) for r in rows
                              if (r["family"], r["dtype"]) == (row["family"], row["dtype"])) + " |"
-            lines.append(f"| {model} | {key[0]} |{count} {_fmt(plain)} | {_fmt(fused)} | {demo_ratio(row, cpu):.2f}x "
+            lines.append(f"| {model} | {key[0]} |{count} {_fmt(plain)} | {_fmt(fused)} | {_ratio(row, cpu)} "
                          f"| {match} |" + (f" {same}" if cpu else ""))
     runs = len(next(iter(newest.values()))[1][0]["plain_s"])
     clock = "process CPU time" if cpu else "wall time"
     requests = sorted({len(e.get("prompts", ())) for e in envs.values()})
     new_tokens = sorted({e.get("new_tokens", 16) for e in envs.values()})
+    paired = {demo_paired(row, cpu) is not None for _, rows in newest.values() for row in rows}
+    ratio = {True: "the paths took turns in ABBA order; ropepool / transformers is the median (quartiles) over the "
+                   "pairs of neighbouring runs of ropepool's tokens/s over transformers'",
+             False: "ropepool / transformers is the ratio of the two medians"}
     return (f"Tokens/s of {clock}, median (min-max) of {runs} interleaved runs of each path after an untimed "
             f"one; {' or '.join(map(str, requests))} requests x {' or '.join(map(str, new_tokens))} new tokens"
-            f"{' a model' if cpu else ''}:\n\n" + "\n".join(lines) + "\n\n"
+            f"{' a model' if cpu else ''}; " + "; in older records, ".join(ratio[p] for p in sorted(paired)[::-1])
+            + ":\n\n" + "\n".join(lines) + "\n\n"
             + sources({rec for rec, _ in newest.values()} | {rec for rec, _ in _same_code(recs, newest.values())
                                                                  if cpu}))
 

@@ -7,10 +7,11 @@ downloaded). The same prompts go through transformers' continuous batching
 as transformers ships it, and after ``ropepool.integrations.transformers.enable``,
 where every attention layer's q/k norm, RoPE and paged-cache write is one
 ``rope_pool_fused`` call. Both runs are greedy; after one untimed run of
-each, ``--repeats`` timed runs of each alternate, and the demo prints the
-median tokens/s of each with its min-max, their ratio, whether the tokens
-match, and for each model ropepool does not serve faster, that it does not
-and why.
+each, ``--repeats`` timed runs of each take turns in ABBA order, and the demo
+prints the median tokens/s of each with its min-max, the ratio of the pairs
+of neighbouring runs (median and quartiles: the paired turn method,
+paired.py), whether the tokens match, and for each model ropepool does not
+serve faster, that it does not and why.
 
 Pass/fail. In float32 every token must be identical and the log-probability
 of each chosen token within ``LOGPROB_TOL``. In bfloat16 / float16 the two
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from . import demo_scale
 from .demo_scale import GEOMETRIES
+from .paired import quartiles, turn
 
 # Tiny configs: GQA (4 query heads, 2 KV heads), windows shorter than the prompts so the sliding-window
 # ring buffer wraps, and a wide weight init so a wrong rotation shows in the tokens and log-probabilities.
@@ -150,8 +152,9 @@ class Comparison:
     family: str
     dtype: str
     plains: list  # transformers as shipped: the timed runs (Run)
-    fuseds: list  # after enable(model), interleaved with them
+    fuseds: list  # after enable(model): fuseds[i] ran beside plains[i]
     firsts: tuple = ()  # the untimed first run of each (plain, fused): caches filled, graphs compiled
+    order: tuple = ()  # per pair, the path that ran first ("plain" or "fused"): ABBA
 
     @property
     def plain(self) -> Run:
@@ -179,18 +182,21 @@ class Comparison:
         return same and self.max_logprob_diff <= LOGPROB_TOL[self.dtype]
 
     @property
+    def paired(self) -> dict:
+        """Tokens/s through ropepool over tokens/s as shipped in each pair of neighbouring runs: median, quartiles."""
+        return quartiles(f.tok_s / p.tok_s for p, f in zip(self.plains, self.fuseds))
+
+    @property
     def speedup(self) -> float:
-        """Median tokens/s through ropepool over median tokens/s as shipped."""
-        return statistics.median(r.tok_s for r in self.fuseds) / statistics.median(r.tok_s for r in self.plains)
+        return self.paired["ratio_median"]
 
     @property
     def verdict(self) -> str:
-        """"faster" or "slower" by the medians; "within spread" where the slower median lies inside the other
-        path's min-max."""
-        p, f = [r.tok_s for r in self.plains], [r.tok_s for r in self.fuseds]
-        if self.speedup >= 1:
-            return "faster" if statistics.median(f) > max(p) else "faster, within spread"
-        return "slower, within spread" if statistics.median(f) >= min(p) else "slower"
+        """"faster" or "slower" by the median pair; "within spread" where the pairs' quartiles reach 1.00x."""
+        q = self.paired
+        if q["ratio_median"] >= 1:
+            return "faster" if q["ratio_q1"] > 1 else "faster, within spread"
+        return "slower, within spread" if q["ratio_q3"] >= 1 else "slower"
 
     def record(self) -> dict:
         return {"family": self.family, "dtype": self.dtype, "requests": len(self.plain.tokens),
@@ -199,13 +205,13 @@ class Comparison:
                 "plain_s": [r.seconds for r in self.plains], "fused_s": [r.seconds for r in self.fuseds],
                 "plain_cpu_s": [r.cpu_seconds for r in self.plains],
                 "fused_cpu_s": [r.cpu_seconds for r in self.fuseds],
-                "first_cpu_s": [r.cpu_seconds for r in self.firsts]}
+                "first_cpu_s": [r.cpu_seconds for r in self.firsts], "first": list(self.order)}
 
 
 def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prompt_lengths=PROMPT_LENGTHS,
             repeats: int = 5, advance=lambda: None, model=None, config=None) -> Comparison:
     """One family through transformers' batching as shipped and through ropepool, in turn: one untimed run
-    of each (it fills caches), then ``repeats`` timed runs of each, interleaved, on the same model and prompts.
+    of each (it fills caches), then ``repeats`` timed runs of each in ABBA turns, on the same model and prompts.
     ``model``, ``config``: another model than the family's small one (demo_scale.py), its batching config."""
     from ..integrations import transformers as rp
 
@@ -215,15 +221,18 @@ def compare(family: str, *, device="cpu", dtype=None, new_tokens: int = 16, prom
     # transformers' manager runs gc.collect() twice when it stops: over the heap of torch and transformers
     # that takes about a second. Freezing what exists now (nothing here is garbage) makes it instant.
     gc.freeze()
-    plain, fused = [], []
-    for _ in range(repeats + 1):
-        plain.append(run_batch(model, prompts, new_tokens, config, advance))
-        rp.enable(model)
-        try:
-            fused.append(run_batch(model, prompts, new_tokens, config, advance))
-        finally:
-            rp.disable(model)
-    return Comparison(family, str(model.dtype).rsplit(".", 1)[-1], plain[1:], fused[1:], (plain[0], fused[0]))
+    runs, order = {"plain": [], "fused": []}, []
+    for i in range(repeats + 1):  # turn 0 (untimed): plain first, then ABBA
+        order.append(turn(i, "plain", "fused")[0])
+        for path in turn(i, "plain", "fused"):
+            if path == "fused":
+                rp.enable(model)
+            try:
+                runs[path].append(run_batch(model, prompts, new_tokens, config, advance))
+            finally:
+                rp.disable(model)  # (nothing to undo after a plain run)
+    (p0, *plain), (f0, *fused) = runs["plain"], runs["fused"]
+    return Comparison(family, str(model.dtype).rsplit(".", 1)[-1], plain, fused, (p0, f0), tuple(order[1:]))
 
 
 def _clock(run) -> float:
@@ -253,7 +262,8 @@ def render(results: list, device: str):
     runs = len(results[0].plains) if results else 0
     clock = "process CPU time" if CPU_TIME[0] else "wall time"
     table = Table(title=f"transformers continuous batching on {device}: as shipped vs through ropepool "
-                        f"(tokens/s of {clock}: median and min-max of {runs} interleaved runs)")
+                        f"(tokens/s of {clock}: median and min-max of {runs} runs; the ratio: median and quartiles "
+                        f"over the {runs} pairs of neighbouring runs, ABBA)")
     for col in ("model", "dtype", "tokens", "transformers tok/s", "ropepool tok/s", "ropepool / transformers",
                 "tokens match", "max |Δ logprob|"):
         table.add_column(col, justify="left" if col in ("model", "dtype", "tokens match") else "right")
@@ -263,7 +273,8 @@ def render(results: list, device: str):
         match = "identical" if not div else f"{n - len(div)}/{n} identical, first divergence at step {min(div)}"
         verdict = "[green]ok[/]" if c.ok else "[red]MISMATCH[/]"
         table.add_row(c.family, c.dtype, str(c.fused.generated), _tok_s(c.plains), _tok_s(c.fuseds),
-                      f"{c.speedup:.2f}x ({c.verdict})", f"{match} {verdict}", f"{c.max_logprob_diff:.1e}")
+                      f"{c.speedup:.2f}x ({c.paired['ratio_q1']:.2f}-{c.paired['ratio_q3']:.2f}, {c.verdict})",
+                      f"{match} {verdict}", f"{c.max_logprob_diff:.1e}")
     return table
 
 
@@ -322,8 +333,8 @@ def parser():
                         "in float32 the tokens must be identical)")
     p.add_argument("--new-tokens", type=count, default=16, help="tokens to generate per request (default 16)")
     p.add_argument("--repeats", type=count, default=5,
-                   help="timed runs of each path, interleaved, after an untimed one; tokens/s is their median, "
-                        "with the min-max (default 5)")
+                   help="timed runs of each path, in ABBA turns, after an untimed one; tokens/s is their median, "
+                        "with the min-max, the ratio the median over pairs of neighbouring runs (default 5)")
     p.add_argument("--geometry", choices=tuple(GEOMETRIES), default=None,
                    help="instead of the small models: a Llama of this model's widths with --layers layers and "
                         "random weights (for a GPU; demo_scale.py)")
