@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import gc
 import logging
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 
 from . import demo_scale
+from .demo_report import losses, render
 from .demo_scale import GEOMETRIES
 from .paired import quartiles, turn
 
@@ -239,55 +239,6 @@ def _clock(run) -> float:
     return run.cpu_seconds if CPU_TIME[0] else run.seconds
 
 
-def _tok_s(runs) -> str:
-    values = [r.tok_s for r in runs]
-    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
-
-
-# Why ropepool can lose a model here: what is measured is the whole serving step.
-WHY_SLOWER = {
-    "cpu": "these models are tiny (hidden size 64, 2-3 layers), so a step is host time: per layer, ropepool's "
-           "one call (one native kernel call, the Python around it and the rows read back for attention) "
-           "replaces transformers' eager RoPE and cache write, small ops of a few microseconds each, and a "
-           "shared machine moves single runs by more than that difference (benchmarks/serving_layers.py measures "
-           "it per layer and step)",
-    "cuda": "on a GPU a step of few tokens is host-bound (the tiny models' steps always are): the layer's "
-            "time is its Python and launches, and one ropepool call replaces a few small kernels there",
-}
-
-
-def render(results: list, device: str):
-    from rich.table import Table
-
-    runs = len(results[0].plains) if results else 0
-    clock = "process CPU time" if CPU_TIME[0] else "wall time"
-    table = Table(title=f"transformers continuous batching on {device}: as shipped vs through ropepool "
-                        f"(tokens/s of {clock}: median and min-max of {runs} runs; the ratio: median and quartiles "
-                        f"over the {runs} pairs of neighbouring runs, ABBA)")
-    for col in ("model", "dtype", "tokens", "transformers tok/s", "ropepool tok/s", "ropepool / transformers",
-                "tokens match", "max |Δ logprob|"):
-        table.add_column(col, justify="left" if col in ("model", "dtype", "tokens match") else "right")
-    for c in results:
-        div = [d for d in c.diverged_at if d is not None]
-        n = len(c.diverged_at)
-        match = "identical" if not div else f"{n - len(div)}/{n} identical, first divergence at step {min(div)}"
-        verdict = "[green]ok[/]" if c.ok else "[red]MISMATCH[/]"
-        table.add_row(c.family, c.dtype, str(c.fused.generated), _tok_s(c.plains), _tok_s(c.fuseds),
-                      f"{c.speedup:.2f}x ({c.paired['ratio_q1']:.2f}-{c.paired['ratio_q3']:.2f}, {c.verdict})",
-                      f"{match} {verdict}", f"{c.max_logprob_diff:.1e}")
-    return table
-
-
-def losses(results: list, device: str) -> str | None:
-    """A line naming each model ropepool served slower (and ties), and why; None where it won them all."""
-    slower = [f"{c.family} {c.dtype} {c.speedup:.2f}x{' (within spread)' if 'spread' in c.verdict else ''}"
-              for c in results if c.speedup < 1]
-    if not slower:
-        return None
-    why = WHY_SLOWER.get(str(device).split(":")[0], "")
-    return f"ropepool serves slower on {device} for {', '.join(slower)}" + (f": {why}." if why else ".")
-
-
 def record(results: list, device: str, note: str | None, setup: dict | None = None) -> dict:
     """The demo's record (docs/bench/): versions, device, date, commit and every run's seconds (``setup``: the
     prompts and batching of a run at another geometry, demo_scale.py)."""
@@ -379,7 +330,7 @@ def main(argv=None) -> int:
                                            advance=lambda task=task: progress.advance(task), **scaled))
     finally:
         gc.unfreeze()  # let the interpreter free it all at exit
-    console.print(render(results, device))
+    console.print(render(results, device, "process CPU time" if CPU_TIME[0] else "wall time"))
     if results and results[0].firsts:  # what a server's first requests pay, kept out of the medians
         clock = "CPU" if CPU_TIME[0] else "wall"
         console.print("first (untimed) run of each model, s of " + clock + " time, transformers / through ropepool: " +
