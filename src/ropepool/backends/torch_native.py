@@ -134,8 +134,7 @@ class Native:
     def __init__(self, plan, arrays, tuning):
         call, rot, st = plan.call, plan.call.rotation, plan.stores
         self.call, self.rot, self.tuning = call, rot, tuning
-        entry = native.entry(getattr(torch.Tensor, "__dlpack_c_exchange_api__", None))
-        self.fn = native.kernel().rope_pool if entry is None else entry.rope_pool
+        self.fn = native.kernel().rope_pool
         norm = call.norm
         ex = extras(plan.fixed, torch.device("cpu"))
         r, half = rot.rotary_dim, rot.rotary_dim // 2

@@ -40,9 +40,10 @@ def _load():
     if exchange is None:
         return None
     try:
-        from ..native import _import_tvm_ffi
+        from .. import native
 
-        _import_tvm_ffi()  # (loads libtvm_ffi, which the module links, before the module)
+        if not native.load_tvm_ffi_library():  # (the module links it)
+            return None
         from ..native import _triton_launch
 
         _triton_launch.use(exchange)

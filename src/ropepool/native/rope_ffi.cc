@@ -1,10 +1,10 @@
-// The tvm-ffi binding of ropepool's CPU kernel (rope_kernel.h): arrays in (torch tensors through DLPack,
-// zero-copy), the kernel's Args filled from their shapes, strides and dtypes and from the plan's ``cfg``
-// (backends/torch_native.py makes it once per layout).
+// The binding of ropepool's CPU kernel (rope_kernel.h): arrays in (tvm-ffi TensorViews of the DLTensors rope_py.cc
+// reads from torch tensors, zero-copy), the kernel's Args filled from their shapes, strides and dtypes and from
+// the plan's ``cfg`` (backends/torch_native.py makes it once per layout). Errors are tvm-ffi's, which rope_py.cc
+// raises as Python exceptions.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/dtype.h>
 #include <tvm/ffi/error.h>
-#include <tvm/ffi/function.h>
 
 #include <cstring>
 
@@ -222,9 +222,9 @@ const int64_t* cfg_at(int64_t address) {
 int64_t cfg_size() { return NUM_CFG; }
 
 // The names of cfg's entries before LAYOUTS, in its order, separated by spaces (the binding fills cfg by them).
-tvm::ffi::String cfg_names() {
+const char* cfg_names() {
 #define ROPEPOOL_NAME(name) #name " "
-  return tvm::ffi::String(ROPEPOOL_CFG(ROPEPOOL_NAME));
+  return ROPEPOOL_CFG(ROPEPOOL_NAME);
 #undef ROPEPOOL_NAME
 }
 
@@ -269,11 +269,4 @@ int64_t rope_pool_norm(TensorView q_weight, TensorView k_weight, TensorView q, T
 }
 
 // Which build runs here ("avx512", "avx2", "baseline"): `ropepool env` prints it.
-tvm::ffi::String isa() { return rp::isa_name(RUN); }
-
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(cfg_size, cfg_size);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(cfg_names, cfg_names);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind, bind);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_pool, rope_pool);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_pool_norm, rope_pool_norm);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(isa, isa);
+const char* isa() { return rp::isa_name(RUN); }
