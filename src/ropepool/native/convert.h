@@ -49,28 +49,27 @@ static inline uint16_t f32_to_f16(float f) {
   const uint32_t nonsign = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
   return static_cast<uint16_t>((sign >> 16) | pick(shl1_w > 0xff000000u, 0x7e00u, nonsign));
 }
-// c10/util/Float8_e4m3fn.h fp8e4m3fn_from_fp32_value (PyTorch): nearest even, past the range NaN (callers saturate
-// first). Each case computed, then one picked (``pick``): no branch, so a loop of them vectorizes.
-static inline uint8_t f32_to_e4m3(float f) {
+// PyTorch's fp8e4m3fn_from_fp32_value and fp8e5m2_from_fp32_value (c10/util/Float8_e4m3fn.h, Float8_e5m2.h) as
+// one function of the format: MANT mantissa bits, exponent BIAS, MAX_BITS the float32 bits from which a value is
+// past the range (NaN, or with INF infinity where the input is not NaN; callers saturate first). Nearest even; each
+// case computed, then one picked (``pick``): no branch, so a loop of them vectorizes.
+template <int MANT, int BIAS, uint32_t MAX_BITS, bool INF>
+static inline uint8_t f32_to_fp8(float f) {
+  constexpr int SHIFT = 23 - MANT;
+  constexpr uint32_t DENORM = static_cast<uint32_t>(127 - BIAS + SHIFT + 1) << 23;
+  constexpr uint32_t MIN_NORMAL = static_cast<uint32_t>(127 - BIAS + 1) << 23;
   uint32_t b = bits_of(f);
   const uint32_t sign = b & 0x80000000u;
   b ^= sign;
-  const uint32_t subnormal = bits_of(float_of(b) + float_of(141u << 23)) - (141u << 23);
-  const uint32_t normal = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((b >> 20) & 1u)) >> 20;
-  const uint32_t r = pick(b >= (1087u << 20), 0x7fu, pick(b < (121u << 23), subnormal, normal));
+  const uint32_t subnormal = bits_of(float_of(b) + float_of(DENORM)) - DENORM;
+  const uint32_t normal = (b + (static_cast<uint32_t>(BIAS - 127) << 23) + ((1u << (SHIFT - 1)) - 1u) +
+                           ((b >> SHIFT) & 1u)) >> SHIFT;
+  const uint32_t big = INF ? pick(b > 0x7f800000u, 0x7fu, 0x7cu) : 0x7fu;
+  const uint32_t r = pick(b >= MAX_BITS, big, pick(b < MIN_NORMAL, subnormal, normal));
   return static_cast<uint8_t>(r | (sign >> 24));
 }
-// c10/util/Float8_e5m2.h fp8e5m2_from_fp32_value.
-static inline uint8_t f32_to_e5m2(float f) {
-  uint32_t b = bits_of(f);
-  const uint32_t sign = b & 0x80000000u;
-  b ^= sign;
-  const uint32_t subnormal = bits_of(float_of(b) + float_of(134u << 23)) - (134u << 23);
-  const uint32_t normal = (b + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + ((b >> 21) & 1u)) >> 21;
-  const uint32_t big = pick(b > 0x7f800000u, 0x7fu, 0x7cu);
-  const uint32_t r = pick(b >= (143u << 23), big, pick(b < (113u << 23), subnormal, normal));
-  return static_cast<uint8_t>(r | (sign >> 24));
-}
+static inline uint8_t f32_to_e4m3(float f) { return f32_to_fp8<3, 7, 1087u << 20, false>(f); }
+static inline uint8_t f32_to_e5m2(float f) { return f32_to_fp8<2, 15, 143u << 23, true>(f); }
 
 // n elements of a row (element stride s) as float32 (exact).
 ROPEPOOL_INLINE void load(const char* p, int32_t kind, int64_t s, int64_t n, float* __restrict out) {

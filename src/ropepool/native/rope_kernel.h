@@ -266,6 +266,18 @@ static inline bool unique_slots(const Args& a) {
   return std::adjacent_find(used.begin(), used.end()) == used.end();
 }
 
+// One head of q or k the general way: its row loaded, normalised (norm 1), rotated into y, normalised (norm 2),
+// stored into ``out`` (x: scratch; y keeps the rotated floats for the pool).
+ROPEPOOL_INLINE void rope_head(const Args& a, const Dest& src, const Dest& out, const Scale& scale, int64_t h,
+                               const float* gain, const float* c, const float* s, float* x, float* y) {
+  const int64_t D = a.q.dim;
+  load(src.p, src.kind, src.s, D, x);
+  if (a.norm == 1) normalize(x, D, a.eps, gain);
+  rotate(x, c, s, D, a.r, a.gptj, y);
+  if (a.norm == 2) normalize(y, D, a.eps, gain);
+  store(out, D, y, scale, h);
+}
+
 ROPEPOOL_INLINE int64_t run_body(const Args& a) {
   const int64_t pool_size = a.k_pool.pages * a.k_pool.page_size;
   if (!unique_slots(a)) return BAD_VALUE;
@@ -309,14 +321,8 @@ ROPEPOOL_INLINE int64_t run_body(const Args& a) {
     }
     for (int64_t h = 0; q_one_pass && h < a.q.heads; ++h)
       rope_row_of(a.q.kind, row_of(a.q, t, h).p, row_of(a.q_out, t, h).p, c, s, D, r);
-    for (int64_t h = 0; !q_one_pass && h < a.q.heads; ++h) {
-      const Dest src = row_of(a.q, t, h);
-      load(src.p, src.kind, src.s, D, x);
-      if (a.norm == 1) normalize(x, D, a.eps, q_gain);
-      rotate(x, c, s, D, r, a.gptj, y);
-      if (a.norm == 2) normalize(y, D, a.eps, q_gain);
-      store(row_of(a.q_out, t, h), D, y, a.q_out_scale, h);
-    }
+    for (int64_t h = 0; !q_one_pass && h < a.q.heads; ++h)
+      rope_head(a, row_of(a.q, t, h), row_of(a.q_out, t, h), a.q_out_scale, h, q_gain, c, s, x, y);
     const int64_t slot = index_at(a.slots, a.slot_kind, t * a.slot_s);
     for (int64_t h = 0; k_one_pass && h < a.k.heads; ++h) {
       const Dest out = row_of(a.k_out, t, h);
@@ -324,12 +330,7 @@ ROPEPOOL_INLINE int64_t run_body(const Args& a) {
       if (slot >= 0) std::memcpy(pool_row(a.k_pool, slot, h).p, out.p, D * out.esize);
     }
     for (int64_t h = 0; !k_one_pass && h < a.k.heads; ++h) {
-      const Dest src = row_of(a.k, t, h);
-      load(src.p, src.kind, src.s, D, x);
-      if (a.norm == 1) normalize(x, D, a.eps, k_gain);
-      rotate(x, c, s, D, r, a.gptj, y);
-      if (a.norm == 2) normalize(y, D, a.eps, k_gain);
-      store(row_of(a.k_out, t, h), D, y, a.k_out_scale, h);
+      rope_head(a, row_of(a.k, t, h), row_of(a.k_out, t, h), a.k_out_scale, h, k_gain, c, s, x, y);
       if (slot < 0) continue;
       if (a.k_pool_scale.p != nullptr && a.k_kind != F32) {  // the pool stores k_rot as rounded to k's type
         if (a.k_kind == BF16) for (int64_t i = 0; i < D; ++i) z[i] = bf16_to_f32(f32_to_bf16(y[i]));
