@@ -54,7 +54,7 @@ static inline uint16_t f32_to_f16(float f) {
 // past the range (NaN, or with INF infinity where the input is not NaN; callers saturate first). Nearest even; each
 // case computed, then one picked (``pick``): no branch, so a loop of them vectorizes.
 template <int MANT, int BIAS, uint32_t MAX_BITS, bool INF>
-static inline uint8_t f32_to_fp8(float f) {
+ROPEPOOL_INLINE uint8_t f32_to_fp8(float f) {
   constexpr int SHIFT = 23 - MANT;
   constexpr uint32_t DENORM = static_cast<uint32_t>(127 - BIAS + SHIFT + 1) << 23;
   constexpr uint32_t MIN_NORMAL = static_cast<uint32_t>(127 - BIAS + 1) << 23;
@@ -68,8 +68,8 @@ static inline uint8_t f32_to_fp8(float f) {
   const uint32_t r = pick(b >= MAX_BITS, big, pick(b < MIN_NORMAL, subnormal, normal));
   return static_cast<uint8_t>(r | (sign >> 24));
 }
-static inline uint8_t f32_to_e4m3(float f) { return f32_to_fp8<3, 7, 1087u << 20, false>(f); }
-static inline uint8_t f32_to_e5m2(float f) { return f32_to_fp8<2, 15, 143u << 23, true>(f); }
+ROPEPOOL_INLINE uint8_t f32_to_e4m3(float f) { return f32_to_fp8<3, 7, 1087u << 20, false>(f); }
+ROPEPOOL_INLINE uint8_t f32_to_e5m2(float f) { return f32_to_fp8<2, 15, 143u << 23, true>(f); }
 
 // n elements of a row (element stride s) as float32 (exact).
 ROPEPOOL_INLINE void load(const char* p, int32_t kind, int64_t s, int64_t n, float* __restrict out) {
