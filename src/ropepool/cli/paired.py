@@ -11,9 +11,10 @@ from __future__ import annotations
 import statistics
 
 
-def turn(i: int, a, b) -> tuple:
-    """The order of the two paths in turn ``i`` (ABBA: ``a`` first in even turns)."""
-    return (a, b) if i % 2 == 0 else (b, a)
+def turn(i: int, *paths) -> tuple:
+    """The order of the paths in turn ``i``: as given in even turns, reversed in odd ones (two paths: ABBA). One
+    path (a test of a single engine) keeps its place."""
+    return paths if i % 2 == 0 else paths[::-1]
 
 
 def quartiles(ratios) -> dict:
