@@ -201,13 +201,17 @@ def test_code_paths_cover_the_native_sources():
 
 def test_serving_records_follow_the_integration():
     """A demo record (transformers' serving step through ropepool) goes stale with any module of the
-    transformers integration as with the CPU path: each is in CODE_PATHS["serving"]."""
+    transformers integration as with the device's path: each is in CODE_PATHS["serving"] (CPU) and
+    CODE_PATHS["gpu-serving"]."""
     folder = ROOT / "src" / "ropepool" / "integrations" / "transformers"
     files = {f"src/ropepool/integrations/transformers/{p.name}" for p in folder.glob("*.py")}
-    assert files <= set(bench_records.CODE_PATHS["serving"]), files - set(bench_records.CODE_PATHS["serving"])
-    assert set(bench_records.CODE_PATHS["cpu"]) <= set(bench_records.CODE_PATHS["serving"])
-    demo = next(bench_records.BENCH.glob("cpu-*-demo-*.json"))
-    assert bench_records.describe(demo, json.loads(demo.read_text())).kind == "serving"
+    for kind, device in (("serving", "cpu"), ("gpu-serving", "gpu")):
+        paths = set(bench_records.CODE_PATHS[kind])
+        assert files <= paths, files - paths
+        assert set(bench_records.CODE_PATHS[device]) <= paths
+    for pattern, kind in (("cpu-*-demo-*.json", "serving"), ("h100-*-demo-*.json", "gpu-serving")):
+        demo = next(bench_records.BENCH.glob(pattern))
+        assert bench_records.describe(demo, json.loads(demo.read_text())).kind == kind
 
 
 @NEEDS_GIT

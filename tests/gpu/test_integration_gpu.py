@@ -139,3 +139,29 @@ def test_a_1pct_wrong_base_fails_the_check(family, dtype, config, factor, monkey
     r = runs(family, dtype, monkeypatch, factor, **config)
     with pytest.raises(AssertionError, match="log-probabilities differ"):
         check(family, dtype, r)
+
+
+def test_fused_steps_never_wait_for_the_gpu(monkeypatch):
+    """No fused step reads a GPU value on the host (positions, slots, their largest): each read would make the
+    host wait for every kernel queued before it, and decode steps are host-bound. torch's sync debug mode turns
+    any such read inside a step into an error, which fails the request."""
+    model = demo.build_model("llama", dtype=torch.float32, device=DEVICE)
+    prompts = demo.make_prompts(model.config.vocab_size)
+    cb = demo.batching_config()
+    step = attention.fused_step
+
+    def never_waiting(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    rp.enable(model)
+    try:
+        demo.run_batch(model, prompts, NEW_TOKENS, cb)  # the first call of each layer binds its runner
+        monkeypatch.setattr(attention, "fused_step", never_waiting)
+        run = demo.run_batch(model, prompts, NEW_TOKENS, cb)
+    finally:
+        rp.disable(model)
+    assert run.tokens == demo.run_batch(model, prompts, NEW_TOKENS, cb).tokens

@@ -62,10 +62,12 @@ CODE_PATHS = {
             "src/ropepool/backends/mlx_arrays.py", "src/ropepool/backends/blockquant.py",
             "src/ropepool/formats/nvfp4.py", "src/ropepool/formats/affine.py"],
 }
-# A CPU serving run (``ropepool demo``'s records) measures the CPU path and the transformers integration
+# A serving run (``ropepool demo``'s records) measures the device's path and the transformers integration
 # that calls it in the serving step.
-CODE_PATHS["serving"] = CODE_PATHS["cpu"] + [f"src/ropepool/integrations/transformers/{name}.py" for name in
-                                             ("__init__", "attention", "latent", "model", "paged")]
+_TRANSFORMERS = [f"src/ropepool/integrations/transformers/{name}.py" for name in
+                 ("__init__", "attention", "latent", "model", "paged")]
+CODE_PATHS["serving"] = CODE_PATHS["cpu"] + _TRANSFORMERS
+CODE_PATHS["gpu-serving"] = CODE_PATHS["gpu"] + _TRANSFORMERS
 
 # Rows that a record holds but that must not be read, with the reason (docs/benchmarks.md says why).
 EXCLUDED = {
@@ -128,7 +130,7 @@ def _git(*args) -> str | None:
 @dataclass(frozen=True)
 class Record:
     file: str
-    kind: str          # "gpu", "cpu", "mlx" or "serving": which CODE_PATHS apply
+    kind: str          # "gpu", "cpu", "mlx", "serving" or "gpu-serving": which CODE_PATHS apply
     device: str
     date: str
     versions: str
@@ -259,9 +261,10 @@ def _rows(path: Path, d: dict):
 def describe(path: Path, d: dict) -> Record:
     """A record of any harness as a Record: its env's device (gpu, cpu or machine), versions, date,
     commit and note; kind "gpu" with a ``gpu`` field, "mlx" with an ``mlx`` version, "serving" for a CPU demo
-    run (``demo`` rows), else "cpu"."""
+    run (``demo`` rows; "gpu-serving" on a GPU), else "cpu"."""
     env = d.get("env", {})
-    kind = "gpu" if env.get("gpu") else "mlx" if env.get("mlx") else "serving" if "demo" in d else "cpu"
+    kind = "mlx" if env.get("mlx") else ("gpu" if env.get("gpu") else "cpu") if "demo" not in d else \
+        "gpu-serving" if env.get("gpu") else "serving"
     device = env.get("gpu") or env.get("machine") or env.get("cpu") or "device not recorded"
     return _record(path, env, kind, device, ("torch", "triton", "vllm", "sglang", "transformers", "mlx", "python"))
 

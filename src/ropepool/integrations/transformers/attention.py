@@ -106,7 +106,7 @@ def fused_step(layer, cache, query, key, value, kwargs):
     return query, kv.read(old, k, v)
 
 
-# Layer -> (layout, k_pool, v_pool, rope, runner, in place)
+# Layer -> (layout, k_pool, v_pool, rope, runner, in place, values checked here)
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -118,9 +118,11 @@ def run_layer(layer, q, k, v, kv, in_place: bool = False) -> tuple:
     later calls of the same layout call its bound runner directly, skipping the api's keyword handling and
     the layout cache's lookup (~13 us a call on CPU, measured, against a step of ~35): ``layout`` and the
     step's ``kv.layout`` hold what that lookup's guard compares (dtypes, sizes but the token count, strides of
-    every array; the pools are the very views bound, paged.py keeps one per layer and cache), and the slot and
-    position values are checked as the lookup checks them, once per step (values.STEP); the CPU kernel's runner
-    compares the layout and checks the values itself (``OtherLayout``: nothing done, checked in full). On CPU the
+    every array; the pools are the very views bound, paged.py keeps one per layer and cache), and on CPU the slot
+    and position values are checked as the lookup checks them, once per step (values.STEP; on a GPU, as there,
+    not at all: the kernel masks what lies outside the pool). A runner that compares the layout itself (the CPU
+    kernel's, which checks the values too, and the CUDA launcher's) is called with no comparison here
+    (``OtherLayout``: nothing done, checked in full). On CPU the
     rotation is the model's cos/sin table (``model.cpu_table``: rows made once, not per layer), the same object
     until a step reaches past its rows."""
     pos, slots, k_pool, v_pool = kv.positions, kv.slots, kv.k_pool, kv.v_pool
@@ -129,14 +131,15 @@ def run_layer(layer, q, k, v, kv, in_place: bool = False) -> tuple:
     bound = _BOUND.get(layer)
     if bound is not None and bound[1] is k_pool and bound[2] is v_pool and bound[3] is rope and \
             bound[5] is in_place:
-        if bound[0] is None:  # the CPU kernel's runner compares the layout and checks the values itself
+        if bound[0] is None:  # the runner compares the layout itself (and checks the values where they are checked)
             if not (q.requires_grad or k.requires_grad or v.requires_grad):
                 try:
                     return bound[4](q, k, v, pos, slots, k_pool, v_pool, q_out, k_out)[:2]
                 except OtherLayout:  # nothing done: checked in full below
                     pass
         elif bound[0] == _layout(q, k, v, kv):
-            check_values(pos, slots, k_pool.shape[0])
+            if bound[6]:
+                check_values(pos, slots, k_pool.shape[0])
             return bound[4](q, k, v, pos, slots, k_pool, v_pool, q_out, k_out)[:2]
     keywords = dict(head_dim=q.shape[-1], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], rope=rope,
                     qk_norm=layer.norm, backend=layer.backend)
@@ -148,9 +151,13 @@ def run_layer(layer, q, k, v, kv, in_place: bool = False) -> tuple:
     # (with its guards: by the key alone the layout cache may give another layout's runner that checks its own)
     runner = plan.lookup(scalars, (q, k, v, pos, slots, k_pool, v_pool, q_out, k_out), fast=False)
     if runner is not None and k_pool.dtype == q.dtype and k_pool.data_ptr() != v_pool.data_ptr():
-        owner = getattr(runner, "__self__", None)
-        self_checked = getattr(owner, "checks_layout", False) and getattr(owner, "checks_values", False)
-        _BOUND[layer] = (None if self_checked else _layout(q, k, v, kv), k_pool, v_pool, rope, runner, in_place)
+        owner = getattr(runner, "__self__", runner)  # a bound method's object, or the runner itself (CUDA's Launch)
+        # Values are checked here where rope_pool_fused checks them: where reading them needs no device sync.
+        host_values = not pos.is_cuda
+        self_checked = getattr(owner, "checks_layout", False) and (not host_values or
+                                                                   getattr(owner, "checks_values", False))
+        _BOUND[layer] = (None if self_checked else _layout(q, k, v, kv), k_pool, v_pool, rope, runner, in_place,
+                         host_values)
     return q_rot, k_rot
 
 

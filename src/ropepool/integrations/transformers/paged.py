@@ -41,7 +41,7 @@ class LayerKV:
     read_index: torch.Tensor  # rows attention reads ([] when the step reads nothing from the cache)
     new: torch.Tensor | None  # sliding layers that read: where read_index stands for this step's tokens
     layout: tuple  # positions' and slots' dtypes and strides (the same for every layer of the step)
-    top: int  # the step's largest position (0 without tokens)
+    top: int  # the step's largest position (0 without tokens, and on a GPU: only CPU layers read it)
 
     def read_before_write(self):
         """Sliding layers read the old rows first; a full-attention layer reads after the write."""
@@ -75,7 +75,8 @@ def layer_kv(cache, layer: int, kwargs: dict) -> LayerKV:
     writes = kwargs["write_index"]
     if _STEP[0] is not writes or _STEP[1] is not writes[0]:
         pos = kwargs["position_ids"].select(0, 0)
-        _STEP[:] = [writes, writes[0], pos, {}, int(pos.max()) if pos.numel() else 0]
+        # (the largest position sizes the CPU layers' cos/sin table; on a GPU reading it would wait for the GPU)
+        _STEP[:] = [writes, writes[0], pos, {}, int(pos.max()) if pos.numel() and not pos.is_cuda else 0]
         STEP.begin(pos)
     step = _STEP[3].get((group, sliding))
     if step is None:
@@ -87,8 +88,10 @@ def layer_kv(cache, layer: int, kwargs: dict) -> LayerKV:
 def _group_step(write, trash, read_index, sentinel) -> tuple:
     """What every layer of a group shares in a step: its slots, the rows read, the sliding layers' mask of
     this step's rows among them, and the layout of positions and slots."""
-    # Few slots are read as Python ints (0.3 us) to skip the two ops where no token goes to the trash (most steps)
-    slots = write.masked_fill(write == trash, -1) if write.shape[0] > 64 or trash in write.tolist() else write
+    # Few slots are read as Python ints (0.3 us) to skip the two ops where no token goes to the trash (most steps);
+    # not on a GPU, where reading them would wait for it
+    slots = write.masked_fill(write == trash, -1) if write.shape[0] > 64 or write.is_cuda or trash in write.tolist() \
+        else write
     STEP.add(slots)  # the step's arrays: values checked, cos/sin made once for all groups (core/step.py)
     new = None if sentinel is None or not read_index.numel() else (read_index == sentinel).view(-1, 1, 1)
     pos = _STEP[2]
