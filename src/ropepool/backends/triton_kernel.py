@@ -34,38 +34,32 @@ import os
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .triton_stores import affine_store, ds_mla_store, indexer_store, nvfp4_store
 
-# The interpreter (CI's CPU run) has no libdevice; its tl.cos is NumPy's, accurate.
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # (CI's CPU run: no compiled kernel)
 
 
 @triton.jit
 def _cos_sin(ang):
-    """cos and sin of float32 angles, accurate to float32 rounding at any size.
+    """cos and sin of float32 angles, accurate to float32 rounding at any size below 2^26 rad.
 
-    tl.cos/tl.sin lower to approximations that lose digits at large angles;
-    libdevice's accurate ones switch to a slow exact reduction past ~1e5 rad,
-    which one lane of a warp then runs while the others wait (measurable at
-    long contexts: docs/benchmarks.md). So the angle is reduced to [-pi/4, pi/4]
-    here, in float64, and libdevice only ever sees small ones; the quadrant
-    picks the signs. pi/2 is split into three float32 numbers (Cody-Waite):
-    each product with n is exact in float64 for angles below 2^26, and the
-    constants mean the same whether Triton types a literal as float32 or
-    float64 (Triton 3.6's fma rounds literals to float32).
+    A decode-sized call waits on this chain (position, angle, cos/sin, store), so it is kept short. The
+    angle is reduced to [-pi/4, pi/4] in float64: pi/2 is split into three float32 numbers (Cody-Waite),
+    each product with n exact in float64 for angles below 2^26, and the constants mean the same whether
+    Triton types a literal as float32 or float64 (Triton 3.6's fma rounds literals to float32). Two
+    polynomials of r^2 on that interval (Cephes' sinf/cosf coefficients, within 1.5 float32 ulps) give sin
+    and cos; the quadrant picks the signs. libdevice's cos/sin would reduce again, and switch to a slow
+    exact reduction past ~1e5 rad that one lane of a warp runs while the others wait.
     """
     x = ang.to(tl.float64)
     n = tl.floor(x * 0.6366197723675814 + 0.5)  # the nearest multiple of pi/2
     r = ((x - n * 1.5707963705062866) - n * -4.371138828673793e-08 - n * -1.7151245100058819e-15).to(tl.float32)
-    if INTERPRET:  # no libdevice; NumPy's float32 cos/sin are accurate
-        c = tl.cos(r)
-        s = tl.sin(r)
-    else:
-        c = libdevice.cos(r)
-        s = libdevice.sin(r)
-    quadrant = n.to(tl.int64) & 3
+    z = r * r
+    s = tl.fma(r * z, tl.fma(z, tl.fma(z, -1.9515295891e-4, 8.3321608736e-3), -1.6666654611e-1), r)
+    c = tl.fma(z * z, tl.fma(z, tl.fma(z, 2.443315711809948e-5, -1.388731625493765e-3), 4.166664568298827e-2),
+               tl.fma(z, -0.5, 1.0))
+    quadrant = n.to(tl.int32) & 3
     odd = (quadrant & 1) != 0
     cos = tl.where(odd, s, c)
     sin = tl.where(odd, c, s)
