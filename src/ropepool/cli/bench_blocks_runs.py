@@ -208,7 +208,7 @@ def demo_table(recs: Records, device: str = "cpu") -> str:
                              if (r["family"], r["dtype"]) == (row["family"], row["dtype"])) + " |"
             lines.append(f"| {model} | {key[0]} |{count} {_fmt(plain)} | {_fmt(fused)} | {_ratio(row, cpu)} "
                          f"| {match} |" + (f" {same}" if cpu else ""))
-    runs = len(next(iter(newest.values()))[1][0]["plain_s"])
+    runs = " or ".join(map(str, sorted({len(row["plain_s"]) for _, rows in newest.values() for row in rows})))
     clock = "process CPU time" if cpu else "wall time"
     requests = sorted({len(e.get("prompts", ())) for e in envs.values()})
     new_tokens = sorted({e.get("new_tokens", 16) for e in envs.values()})
