@@ -263,8 +263,11 @@ def describe(path: Path, d: dict) -> Record:
     commit and note; kind "gpu" with a ``gpu`` field, "mlx" with an ``mlx`` version, "serving" for a CPU demo
     run (``demo`` rows; "gpu-serving" on a GPU), else "cpu"."""
     env = d.get("env", {})
-    kind = "mlx" if env.get("mlx") else ("gpu" if env.get("gpu") else "cpu") if "demo" not in d else \
-        "gpu-serving" if env.get("gpu") else "serving"
+    serving = "demo" in d
+    if env.get("gpu"):
+        kind = "gpu-serving" if serving else "gpu"
+    else:
+        kind = "mlx" if env.get("mlx") else "serving" if serving else "cpu"
     device = env.get("gpu") or env.get("machine") or env.get("cpu") or "device not recorded"
     return _record(path, env, kind, device, ("torch", "triton", "vllm", "sglang", "transformers", "mlx", "python"))
 
